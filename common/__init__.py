@@ -1,0 +1,10 @@
+"""Shared code of the multi-GPU training course.
+
+- ``common.distributed``: process-group set-up and teardown, ``is_main``/``print0``, ``set_seed``, reductions.
+- ``common.data``: data sets by name (``digits`` works offline) and loaders sharded over ranks.
+- ``common.models``: ``LeNet`` and ``SimpleCNN``.
+- ``common.metrics``: exact distributed evaluation.
+- ``common.checkpoint``: atomic, rank-0-only checkpoints and JSON files.
+- ``common.launch``: run a function on N local processes (tests, notebooks).
+- ``common.cli``: argument types shared by the scripts.
+"""

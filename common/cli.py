@@ -1,0 +1,19 @@
+"""Argument types for the scripts' command lines: a bad value stops argparse with a one-line message."""
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """An ``int`` of at least 1 (batch sizes, epochs)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A ``float`` above 0 (learning rates)."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value

@@ -1,0 +1,58 @@
+"""The course's toy models.
+
+Model code never imports ``torch.distributed``: parallelism is applied to a model from outside
+(``DistributedDataParallel(model)``), so the same class serves every lesson.
+"""
+
+from torch import nn
+
+
+class LeNet(nn.Module):
+    """LeNet as in d2l's multi-GPU chapter, for 28x28 images.
+
+    conv 20@3x3 -> ReLU -> avg-pool 2 -> conv 50@5x5 -> ReLU -> avg-pool 2 -> fc 800->128 -> ReLU -> fc 128->10.
+    The 800 is 50 channels x 4 x 4, which only a 28x28 input gives: ``input_shape`` says so.
+    """
+
+    input_shape = (1, 28, 28)
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 20, kernel_size=3), nn.ReLU(), nn.AvgPool2d(2),
+            nn.Conv2d(20, 50, kernel_size=5), nn.ReLU(), nn.AvgPool2d(2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(50 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, num_classes),
+        )
+
+    def forward(self, X):
+        return self.classifier(self.features(X))
+
+
+class SimpleCNN(nn.Module):
+    """Three conv-BatchNorm-ReLU-maxpool blocks (64, 128, 256 channels) and a dropout MLP head, for 32x32 images.
+
+    BatchNorm keeps running statistics per process: under DDP each rank normalises with its own batch
+    unless the model is converted with ``nn.SyncBatchNorm.convert_sync_batchnorm``.
+    """
+
+    input_shape = (3, 32, 32)
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10):
+        super().__init__()
+
+        def block(c_in, c_out):
+            return [nn.Conv2d(c_in, c_out, kernel_size=3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2)]
+
+        self.features = nn.Sequential(*block(in_channels, 64), *block(64, 128), *block(128, 256))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(256 * 4 * 4, 512), nn.ReLU(), nn.Dropout(0.5), nn.Linear(512, num_classes),
+        )
+
+    def forward(self, X):
+        return self.classifier(self.features(X))
+
+
+MODELS = {"lenet": LeNet, "simplecnn": SimpleCNN}
+"""Models by their command-line name; ``MODELS[name].input_shape`` is the (C, H, W) each one takes."""

@@ -1,0 +1,44 @@
+"""Helpers for tests that run the course's scripts for real, as a reader would."""
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))  # the launcher installed beside this Python
+PYTHON = sys.executable
+
+# Point urllib at a closed local port: a download fails at once, online or offline, so tests of the
+# "data set missing" path are the same on every machine.
+NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+              "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_command(args, timeout: float, cwd=REPO, env_extra=None) -> Run:
+    """Run a command to completion within ``timeout`` seconds (a hang fails the test) and capture its output."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    start = time.monotonic()
+    completed = subprocess.run([str(arg) for arg in args], cwd=cwd, env=env, capture_output=True, text=True,
+                               timeout=timeout)
+    return Run(completed.returncode, completed.stdout, completed.stderr, time.monotonic() - start)
+
+
+def torchrun(script, *args, nproc: int = 2, timeout: float = 180, env_extra=None) -> Run:
+    """``torchrun --standalone --nproc_per_node=nproc script args``, as the README tells readers to run it."""
+    return run_command([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", REPO / script, *args],
+                       timeout=timeout, env_extra=env_extra)
