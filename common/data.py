@@ -1,0 +1,151 @@
+"""Data sets by name, converted to a model's input shape, and loaders that shard them over ranks.
+
+- ``fashion-mnist``, ``cifar10``: torchvision, downloaded into ``data_dir`` by global rank 0 only.
+- ``digits``: scikit-learn's bundled 8x8 handwritten digits (1797 images), resized: real data, no network.
+- ``synthetic``: random tensors with random labels, for measuring throughput.
+
+Every rank builds the same data set; ``DistributedSampler`` then gives each rank its own slice of it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+from common.distributed import ConfigurationError, is_main, main_process_first
+
+DATASETS = ("fashion-mnist", "cifar10", "digits", "synthetic")
+NUM_CLASSES = 10  # all four data sets have ten classes
+SYNTHETIC_SIZES = (4096, 1024)  # train, test
+
+
+@dataclass
+class DataSplits:
+    """A train and a test set whose images have the shape the model takes."""
+
+    train: Dataset
+    test: Dataset
+    num_classes: int = NUM_CLASSES
+
+
+def load_data(name: str, data_dir: str = "./data", input_shape: tuple[int, int, int] = (1, 28, 28)) -> DataSplits:
+    """Load data set ``name`` with images converted to ``input_shape`` (channels, height, width).
+
+    In a process group, call it on every rank: global rank 0 downloads while the others wait, then the others
+    read the files it wrote, so no two processes write the same file. A data set that can't be had raises
+    ``ConfigurationError`` with a message that says what to do.
+    """
+    if name == "digits":
+        return _digits(input_shape)
+    if name == "synthetic":
+        return _synthetic(input_shape)
+    if name in ("fashion-mnist", "cifar10"):
+        with main_process_first():
+            return _torchvision(name, data_dir, input_shape, download=is_main())
+    raise ConfigurationError(f"error: unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
+
+
+def _digits(input_shape) -> DataSplits:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()  # shipped inside scikit-learn: never touches the network
+    X = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
+    y = torch.tensor(digits.target, dtype=torch.long)
+    train_idx, test_idx = train_test_split(torch.arange(len(y)).numpy(), test_size=0.2, random_state=0,
+                                           stratify=y.numpy())
+    X = _to_shape(X, input_shape)
+    mean, std = X[train_idx].mean(), X[train_idx].std()  # statistics of the training split only
+    X = (X - mean) / std
+    return DataSplits(TensorDataset(X[train_idx], y[train_idx]), TensorDataset(X[test_idx], y[test_idx]))
+
+
+def _to_shape(X: torch.Tensor, input_shape) -> torch.Tensor:
+    """Resize a (N, 1, h, w) batch to (N, C, H, W): bilinear resize, then the gray channel repeated C times."""
+    channels, height, width = input_shape
+    X = F.interpolate(X, size=(height, width), mode="bilinear", align_corners=False)
+    return X.expand(-1, channels, -1, -1).contiguous()
+
+
+def _synthetic(input_shape) -> DataSplits:
+    # A fixed generator, not the global RNG: every rank must build exactly the same data set.
+    generator = torch.Generator().manual_seed(0)
+
+    def split(size):
+        X = torch.randn(size, *input_shape, generator=generator)
+        y = torch.randint(0, NUM_CLASSES, (size,), generator=generator)
+        return TensorDataset(X, y)
+
+    train_size, test_size = SYNTHETIC_SIZES
+    return DataSplits(split(train_size), split(test_size))
+
+
+def _torchvision(name, data_dir, input_shape, download) -> DataSplits:
+    from torchvision import datasets, transforms
+
+    dataset_class, natural_shape = {
+        "fashion-mnist": (datasets.FashionMNIST, (1, 28, 28)),
+        "cifar10": (datasets.CIFAR10, (3, 32, 32)),
+    }[name]
+    channels, height, width = input_shape
+    steps = []
+    if channels != natural_shape[0]:
+        steps.append(transforms.Grayscale(num_output_channels=channels))
+    if (height, width) != natural_shape[1:]:
+        steps.append(transforms.Resize((height, width)))
+    steps += [transforms.ToTensor(), transforms.Normalize([0.5] * channels, [0.5] * channels)]
+    transform = transforms.Compose(steps)
+    try:
+        return DataSplits(
+            dataset_class(data_dir, train=True, transform=transform, download=download),
+            dataset_class(data_dir, train=False, transform=transform, download=download),
+        )
+    except (OSError, RuntimeError) as error:  # URLError is an OSError; torchvision raises RuntimeError too
+        reason = " ".join(line.strip() for line in str(error).splitlines() if line.strip())[:300]
+        who = "" if download else " (only global rank 0 downloads; on a machine without a shared file system, " \
+                                  "put the files into --data-dir on every node)"
+        raise ConfigurationError(
+            f"error: could not load data set {name!r} from --data-dir {data_dir!r}{who}: {reason}\n"
+            f"If this machine is offline, train on scikit-learn's bundled digits with --dataset digits, "
+            f"or copy the {name} files into --data-dir."
+        ) from None
+
+
+class TensorBatchLoader:
+    """Batches of in-memory tensors, each cut with one indexing operation per tensor.
+
+    A ``DataLoader`` calls ``__getitem__`` once per sample and then stacks the samples; for a data set that is
+    already a tensor in memory that per-sample work is pure overhead. Same interface as a ``DataLoader`` over
+    a ``DistributedSampler``: iterate for ``(X, y)`` batches, ``len()`` for batches, ``.sampler.set_epoch()``.
+    """
+
+    def __init__(self, dataset: TensorDataset, batch_size: int, sampler: DistributedSampler):
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler = sampler
+
+    def __len__(self):
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self):
+        indices = torch.tensor(list(self.sampler), dtype=torch.long)
+        for batch_indices in indices.split(self.batch_size):
+            yield tuple(tensor[batch_indices] for tensor in self.dataset.tensors)
+
+
+def make_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, train: bool, seed: int = 0,
+                num_workers: int = 0, pin_memory: bool = False):
+    """A loader over this rank's shard of ``dataset``, ``batch_size`` samples per batch on this rank.
+
+    Training shuffles with ``seed``; call ``loader.sampler.set_epoch(epoch)`` every epoch, or every epoch
+    repeats the same order. ``DistributedSampler`` pads the data set with repeated samples so that it divides
+    by the world size: use ``common.metrics.evaluate`` for test metrics, which drops the padding.
+    """
+    if batch_size < 1:
+        raise ConfigurationError(f"error: the batch size must be at least 1, got {batch_size}")
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed)
+    if isinstance(dataset, TensorDataset):
+        return TensorBatchLoader(dataset, batch_size, sampler)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0)

@@ -1,0 +1,129 @@
+import struct
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+from common.data import TensorBatchLoader, load_data, make_loader
+from common.distributed import ConfigurationError
+from tests.conftest import NO_NETWORK
+
+
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
+def test_digits_are_resized_to_the_model_input_and_split_80_20(shape):
+    data = load_data("digits", input_shape=shape)
+    X, y = data.train.tensors
+    assert X.shape == (1437, *shape) and len(data.test) == 360
+    assert set(y.tolist()) == set(range(10)) and set(data.test.tensors[1].tolist()) == set(range(10))
+    assert abs(X.mean().item()) < 1e-4 and abs(X.std().item() - 1) < 1e-3  # standardised on the train split
+    assert torch.equal(X, load_data("digits", input_shape=shape).train.tensors[0])  # every rank gets the same
+
+
+def test_digits_are_real_images_not_noise():
+    X, y = load_data("digits").train.tensors
+    # Images of one class resemble each other more than images of different classes do.
+    zeros, ones = X[y == 0].flatten(1), X[y == 1].flatten(1)
+    same = torch.cdist(zeros, zeros).mean()
+    different = torch.cdist(zeros, ones).mean()
+    assert same < 0.8 * different
+
+
+def test_synthetic_has_the_shape_and_is_identical_on_every_call():
+    first, second = load_data("synthetic", input_shape=(3, 32, 32)), load_data("synthetic", input_shape=(3, 32, 32))
+    assert first.train.tensors[0].shape == (4096, 3, 32, 32) and len(first.test) == 1024
+    assert torch.equal(first.train.tensors[0], second.train.tensors[0])
+
+
+def test_unknown_data_set_is_a_clear_error():
+    with pytest.raises(ConfigurationError, match="unknown data set 'imagenet'.*digits"):
+        load_data("imagenet")
+
+
+@pytest.mark.parametrize("name", ["fashion-mnist", "cifar10"])
+def test_download_failure_says_what_to_do(name, tmp_path, monkeypatch):
+    for variable, value in NO_NETWORK.items():
+        monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigurationError) as caught:
+        load_data(name, data_dir=str(tmp_path))
+    message = str(caught.value)
+    assert f"could not load data set '{name}'" in message and str(tmp_path) in message
+    assert "--dataset digits" in message and "--data-dir" in message
+
+
+def write_idx(path, array: torch.Tensor):
+    """Write a uint8 tensor in the IDX format that MNIST-style files use."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.dim()) + struct.pack(f">{array.dim()}I", *array.shape)
+    path.write_bytes(header + array.to(torch.uint8).numpy().tobytes())
+
+
+def test_fashion_mnist_files_in_data_dir_load_without_network_in_the_model_shape(tmp_path, monkeypatch):
+    for variable, value in NO_NETWORK.items():
+        monkeypatch.setenv(variable, value)
+    raw = tmp_path / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for split, size in (("train", 6), ("t10k", 4)):
+        write_idx(raw / f"{split}-images-idx3-ubyte", torch.randint(0, 256, (size, 28, 28)))
+        write_idx(raw / f"{split}-labels-idx1-ubyte", torch.arange(size) % 10)
+    data = load_data("fashion-mnist", data_dir=str(tmp_path), input_shape=(3, 32, 32))
+    X, label = data.train[5]
+    assert (len(data.train), len(data.test)) == (6, 4) and label == 5
+    assert X.shape == (3, 32, 32) and -1 <= X.min() and X.max() <= 1  # grey to RGB, resized, in [-1, 1]
+
+
+def shard_labels(loader):
+    return torch.cat([y for _, y in loader]).tolist()
+
+
+def test_shards_are_disjoint_and_cover_the_data_set_with_padding():
+    dataset = TensorDataset(torch.randn(10, 2), torch.arange(10))
+    shards = [shard_labels(make_loader(dataset, 3, rank, 3, train=True)) for rank in range(3)]
+    assert [len(shard) for shard in shards] == [4, 4, 4]  # 10 samples padded to 12 for 3 ranks
+    everything = sum(shards, [])
+    assert set(everything) == set(range(10))
+    assert len(everything) - len(set(everything)) == 2  # only the two padding samples repeat
+
+
+def test_set_epoch_reshuffles_and_the_same_epoch_repeats_its_order():
+    loader = make_loader(TensorDataset(torch.arange(64)), 8, rank=0, world_size=2, train=True, seed=3)
+    orders = {}
+    for epoch in (0, 1, 0):
+        loader.sampler.set_epoch(epoch)
+        order = torch.cat([X for (X,) in loader]).tolist()
+        assert orders.setdefault(epoch, order) == order
+    assert orders[0] != orders[1]
+
+
+def test_test_loaders_keep_the_data_set_order():
+    loader = make_loader(TensorDataset(torch.arange(7)), 2, rank=1, world_size=2, train=False)
+    assert torch.cat([X for (X,) in loader]).tolist() == [1, 3, 5, 0]  # every 2nd index; 0 is padding
+
+
+def test_tensor_batches_equal_those_of_a_dataloader_on_the_same_sampler():
+    dataset = TensorDataset(torch.randn(50, 3), torch.arange(50))
+    fast = make_loader(dataset, 8, rank=1, world_size=2, train=True, seed=1)
+    assert isinstance(fast, TensorBatchLoader) and len(fast) == 4  # 25 samples: 3 full batches and 1 of 1
+    slow = DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, 2, 1, shuffle=True, seed=1))
+    for epoch in (0, 1):
+        fast.sampler.set_epoch(epoch)
+        slow.sampler.set_epoch(epoch)
+        pairs = list(zip(fast, slow, strict=True))
+        assert all(torch.equal(a, b) for fast_batch, slow_batch in pairs for a, b in zip(fast_batch, slow_batch))
+
+
+class Squares(Dataset):
+    def __len__(self):
+        return 9
+
+    def __getitem__(self, index):
+        return torch.tensor([float(index)]), index * index
+
+
+def test_other_data_sets_get_a_dataloader_with_a_distributed_sampler():
+    loader = make_loader(Squares(), 2, rank=0, world_size=3, train=False)
+    assert isinstance(loader, DataLoader) and isinstance(loader.sampler, DistributedSampler)
+    assert shard_labels(loader) == [0, 9, 36]
+
+
+def test_batch_size_below_one_is_a_clear_error():
+    with pytest.raises(ConfigurationError, match="batch size must be at least 1"):
+        make_loader(TensorDataset(torch.arange(4)), 0, rank=0, world_size=1, train=True)
