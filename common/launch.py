@@ -1,0 +1,79 @@
+"""Run a function on N local processes that form a process group: for tests and notebooks.
+
+``torchrun`` is how scripts are launched; this is for the places that need the results back in the calling
+process, such as a test comparing a 2-process run with a 1-process reference, or a notebook cell. The
+processes rendezvous through a file (no port to collide on), and a deadline turns a hang into an error.
+
+The function must be importable (defined in a module, not in a notebook or a ``__main__`` script): each
+process is a fresh interpreter ("spawn") that finds it by module and name.
+"""
+
+import multiprocessing
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from common.distributed import setup_distributed, teardown_distributed
+
+
+def run_on_ranks(fn, world_size: int, *args, timeout: float = 60.0):
+    """Run ``fn(env, *args)`` on ``world_size`` CPU processes joined by gloo; return each rank's result.
+
+    ``env`` is the ``DistEnv`` that ``setup_distributed`` returns. Results travel back through
+    ``torch.save``/``torch.load(weights_only=True)``: tensors, numbers, strings, lists and dicts of those.
+    A rank that raises makes this raise with that rank's traceback; processes still running after
+    ``timeout`` seconds are killed and a ``TimeoutError`` names them.
+    """
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="run_on_ranks-") as tmp:
+        tmp = Path(tmp)
+        processes = [
+            context.Process(target=_worker, args=(fn, rank, world_size, tmp, args, timeout), daemon=True)
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        # Poll rather than join one by one: when a rank fails, the others may wait for it forever.
+        while time.monotonic() < deadline and any(process.is_alive() for process in processes):
+            if any(process.exitcode not in (None, 0) for process in processes):
+                break
+            time.sleep(0.05)
+        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+        # The earliest failure is the cause; later ones are usually other ranks losing their peer.
+        errors = sorted(tmp.glob("rank*.error"), key=lambda path: path.stat().st_mtime_ns)
+        if errors:
+            raise RuntimeError(f"{len(errors)} rank(s) failed; the first to fail:\n{errors[0].read_text()}")
+        if hung and time.monotonic() >= deadline:
+            raise TimeoutError(f"rank(s) {hung} of {world_size} still running after {timeout:.0f} s: a hang?")
+        failed = {rank: process.exitcode for rank, process in enumerate(processes) if process.exitcode != 0}
+        if failed:
+            raise RuntimeError(f"rank(s) exited with non-zero codes {failed}")
+        return [torch.load(tmp / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
+
+
+def _worker(fn, rank, world_size, tmp, args, timeout):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)  # N processes on a few cores: one thread each avoids oversubscription
+    try:
+        env = setup_distributed("gloo", timeout=timedelta(seconds=timeout),
+                                init_method=(tmp / "store").as_uri())
+        torch.save(fn(env, *args), tmp / f"rank{rank}.pt")
+    except BaseException:
+        # Written before leaving the group: the moment this rank leaves, its peers fail too, and the
+        # earliest error file must be the cause.
+        (tmp / f"rank{rank}.error").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        raise SystemExit(1)
+    finally:
+        teardown_distributed()
