@@ -8,7 +8,9 @@ Every rank builds the same data set; ``DistributedSampler`` then gives each rank
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
@@ -47,18 +49,38 @@ def load_data(name: str, data_dir: str = "./data", input_shape: tuple[int, int, 
 
 
 def _digits(input_shape) -> DataSplits:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    digits = load_digits()  # shipped inside scikit-learn: never touches the network
-    X = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # pixels are 0..16
-    y = torch.tensor(digits.target, dtype=torch.long)
-    train_idx, test_idx = train_test_split(torch.arange(len(y)).numpy(), test_size=0.2, random_state=0,
-                                           stratify=y.numpy())
+    pixels, labels = _read_digits()
+    X = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0  # pixels are 0..16
+    y = torch.tensor(labels, dtype=torch.long)
+    # A stratified 80/20 split, fixed once and for all: 20% of every class goes to the test set.
+    generator = torch.Generator().manual_seed(0)
+    is_test = torch.zeros(len(y), dtype=torch.bool)
+    for digit in range(NUM_CLASSES):
+        members = (y == digit).nonzero().flatten()
+        members = members[torch.randperm(len(members), generator=generator)]
+        is_test[members[: round(0.2 * len(members))]] = True
     X = _to_shape(X, input_shape)
-    mean, std = X[train_idx].mean(), X[train_idx].std()  # statistics of the training split only
+    mean, std = X[~is_test].mean(), X[~is_test].std()  # statistics of the training split only
     X = (X - mean) / std
-    return DataSplits(TensorDataset(X[train_idx], y[train_idx]), TensorDataset(X[test_idx], y[test_idx]))
+    return DataSplits(TensorDataset(X[~is_test], y[~is_test]), TensorDataset(X[is_test], y[is_test]))
+
+
+def _read_digits():
+    """The 1797 digits as (pixels, labels) NumPy arrays, read from the file that scikit-learn ships.
+
+    Read directly rather than through ``sklearn.datasets.load_digits``: importing scikit-learn loads native
+    libraries (its own OpenMP runtime, SciPy's OpenBLAS) beside PyTorch's, and with them loaded about one
+    two-process run in ten aborted at exit here ("terminate called without an active exception").
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")  # finds the installed package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigurationError("error: --dataset digits reads scikit-learn's bundled digits: "
+                                 "pip install scikit-learn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
+    table = np.loadtxt(path, delimiter=",")  # one row per image: 64 pixels, then the label
+    return table[:, :-1], table[:, -1].astype(np.int64)
 
 
 def _to_shape(X: torch.Tensor, input_shape) -> torch.Tensor:

@@ -1,22 +1,40 @@
 import struct
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from common.data import TensorBatchLoader, load_data, make_loader
+from common.data import TensorBatchLoader, _read_digits, load_data, make_loader
 from common.distributed import ConfigurationError
-from tests.conftest import NO_NETWORK
+from tests.conftest import NO_NETWORK, PYTHON, run_command
 
 
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
-def test_digits_are_resized_to_the_model_input_and_split_80_20(shape):
+def test_digits_are_resized_to_the_model_input_and_split_80_20_per_class(shape):
     data = load_data("digits", input_shape=shape)
     X, y = data.train.tensors
-    assert X.shape == (1437, *shape) and len(data.test) == 360
+    assert X.shape == (1438, *shape) and len(data.test) == 359
+    test_share = torch.bincount(data.test.tensors[1]) / (torch.bincount(y) + torch.bincount(data.test.tensors[1]))
+    assert torch.allclose(test_share, torch.full((10,), 0.2), atol=0.01)  # stratified: 20% of every class
     assert set(y.tolist()) == set(range(10)) and set(data.test.tensors[1].tolist()) == set(range(10))
     assert abs(X.mean().item()) < 1e-4 and abs(X.std().item() - 1) < 1e-3  # standardised on the train split
     assert torch.equal(X, load_data("digits", input_shape=shape).train.tensors[0])  # every rank gets the same
+
+
+def test_digits_are_scikit_learns_bundled_digits():
+    from sklearn.datasets import load_digits
+
+    pixels, labels = _read_digits()
+    reference = load_digits()
+    assert np.array_equal(pixels, reference.data) and np.array_equal(labels, reference.target)
+
+
+def test_loading_digits_does_not_import_scikit_learn():
+    code = ("import sys; from common.data import load_data; load_data('digits'); "
+            "print(sorted(name for name in ('sklearn', 'scipy') if name in sys.modules))")
+    run = run_command([PYTHON, "-c", code], timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.output
 
 
 def test_digits_are_real_images_not_noise():
