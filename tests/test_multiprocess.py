@@ -13,7 +13,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import make_loader
-from common.distributed import all_reduce_mean, all_reduce_sum, global_mean, replicas_in_sync, set_seed
+from common.distributed import (all_reduce_mean, all_reduce_sum, global_mean, main_process_first, replicas_in_sync,
+                                set_seed)
 from common.launch import run_on_ranks
 from common.metrics import evaluate
 from common.models import LeNet
@@ -137,6 +138,23 @@ def test_rank_0_saves_and_every_rank_loads_the_same_weights(tmp_path):
     for rank in ranks:
         assert rank["state"] == {"epoch": 2, "step": 7}
         torch.testing.assert_close(rank["params"], ranks[0]["saved"], rtol=0, atol=0)
+
+
+def write_once(env, folder):
+    """Each rank, inside main_process_first, records whether rank 0's file already existed."""
+    from pathlib import Path
+    marker = Path(folder) / "downloaded"
+    with main_process_first():
+        found = marker.exists()
+        if env.rank == 0:
+            import time
+            time.sleep(0.5)  # a slow "download": the others must still wait for it
+            marker.write_text("data")
+    return found
+
+
+def test_main_process_first_lets_rank_0_finish_before_the_others_start(tmp_path):
+    assert run_on_ranks(write_once, 3, str(tmp_path), timeout=90) == [False, True, True]
 
 
 def wait_forever(env):
