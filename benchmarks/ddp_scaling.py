@@ -1,0 +1,61 @@
+"""Throughput of solutions/01_ddp_basic.py at several process counts, same batch size per process.
+
+    python benchmarks/ddp_scaling.py                                   # 1 and 2 processes, synthetic data
+    python benchmarks/ddp_scaling.py --nproc 1 2 4 --dataset digits --epochs 5
+
+Each count runs under ``torchrun --standalone``; the figures come from the metrics file that global rank 0
+writes. The first epoch is left out of the throughput (start-up, first-touch allocations) when there are more.
+On a CPU the processes share the same cores, so expect little or no speed-up there: the table says what it is.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def measure(nproc: int, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics_file = Path(tmp) / "metrics.json"
+        command = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(REPO / "solutions/01_ddp_basic.py"),
+                   "--dataset", args.dataset, "--model", args.model, "--epochs", str(args.epochs),
+                   "--batch-size", str(args.batch_size), "--metrics-file", str(metrics_file)]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        metrics = json.loads(metrics_file.read_text())
+    epochs = metrics["history"][1:] or metrics["history"]
+    return {"nproc": nproc, "backend": metrics["backend"], "device": metrics["device"],
+            "samples_per_second": sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs),
+            "accuracy": metrics["final_test_accuracy"]}
+
+
+def main(args):
+    print(f"solutions/01_ddp_basic.py --dataset {args.dataset} --model {args.model} --epochs {args.epochs} "
+          f"--batch-size {args.batch_size} (per process)")
+    print(f"{'processes':>9} {'backend':>7} {'device':>7} {'samples/s':>10} {'speed-up':>8} {'efficiency':>10} "
+          f"{'test acc':>8}")
+    baseline = None
+    for nproc in args.nproc:
+        row = measure(nproc, args)
+        baseline = baseline or row["samples_per_second"] / row["nproc"]
+        speedup = row["samples_per_second"] / baseline
+        print(f"{nproc:>9} {row['backend']:>7} {row['device']:>7} {row['samples_per_second']:>10,.0f} "
+              f"{speedup:>7.2f}x {speedup / nproc:>10.0%} {row['accuracy']:>8.2%}", flush=True)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--dataset", default="synthetic")
+    parser.add_argument("--model", default="lenet")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main(parse_args())
