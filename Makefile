@@ -14,8 +14,9 @@ test: $(READY)
 	$(BIN)/python -m pytest
 
 $(READY): requirements.txt pyproject.toml
+	@echo "Setting up $(VENV): PyTorch and friends, a few minutes the first time only"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -r requirements.txt
-	$(BIN)/python -m pip install --no-deps d2l==1.0.3
-	$(BIN)/python -m pip install --no-deps -e .
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps d2l==1.0.3
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
