@@ -125,10 +125,10 @@ def _torchvision(name, data_dir, input_shape, download) -> DataSplits:
         )
     except (OSError, RuntimeError) as error:  # URLError is an OSError; torchvision raises RuntimeError too
         reason = " ".join(line.strip() for line in str(error).splitlines() if line.strip())[:300]
-        who = "" if download else " (only global rank 0 downloads; on a machine without a shared file system, " \
-                                  "put the files into --data-dir on every node)"
+        not_downloading = ("" if download else " (only global rank 0 downloads: without a shared file system, "
+                                               "put the files into --data-dir on every node)")
         raise ConfigurationError(
-            f"error: could not load data set {name!r} from --data-dir {data_dir!r}{who}: {reason}\n"
+            f"error: could not load data set {name!r} from --data-dir {data_dir!r}{not_downloading}: {reason}\n"
             f"If this machine is offline, train on scikit-learn's bundled digits with --dataset digits, "
             f"or copy the {name} files into --data-dir."
         ) from None

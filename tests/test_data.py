@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from common.data import TensorBatchLoader, _read_digits, load_data, make_loader
+from common.data import TensorBatchLoader, _read_digits, _torchvision, load_data, make_loader
 from common.distributed import ConfigurationError
 from tests.conftest import NO_NETWORK, PYTHON, run_command
 
@@ -66,6 +66,11 @@ def test_download_failure_says_what_to_do(name, tmp_path, monkeypatch):
     message = str(caught.value)
     assert f"could not load data set '{name}'" in message and str(tmp_path) in message
     assert "--dataset digits" in message and "--data-dir" in message
+
+
+def test_ranks_that_do_not_download_say_so_when_the_files_are_missing(tmp_path):
+    with pytest.raises(ConfigurationError, match="(?s)only global rank 0 downloads.*on every node.*--dataset digits"):
+        _torchvision("fashion-mnist", str(tmp_path), (1, 28, 28), download=False)
 
 
 def write_idx(path, array: torch.Tensor):
