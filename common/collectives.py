@@ -1,0 +1,90 @@
+"""Allreduce by hand, from point-to-point messages: what ``dist.all_reduce`` does for you.
+
+Each function sums a tensor over all ranks, in place, so that every rank ends with the same total; call it on
+every rank. They are for learning and measuring, not for training: NCCL and gloo do the same thing faster.
+
+- ``naive_all_reduce``: everyone sends to rank 0, rank 0 adds and sends the total back. Rank 0 moves
+  2(N-1) full tensors while the others idle: its link is the bottleneck, and it gets worse with every rank.
+- ``ring_all_reduce``: the ranks form a ring and the tensor is cut into N chunks. N-1 reduce-scatter steps
+  leave each rank with the full sum of one chunk; N-1 all-gather steps pass the finished chunks round. Every
+  rank sends 2(N-1)/N of the tensor, whatever N is: bandwidth-optimal.
+- ``all_reduce_gradients``: average a model's gradients with one collective over one flat bucket, instead of
+  one collective per parameter.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def naive_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over ranks in place: reduce to rank 0 with sends, then send the total to every rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        incoming = torch.empty_like(tensor)
+        for source in range(1, world_size):
+            dist.recv(incoming, src=source)
+            tensor += incoming
+        for destination in range(1, world_size):
+            dist.send(tensor, dst=destination)
+    else:
+        dist.send(tensor, dst=0)
+        dist.recv(tensor, src=0)
+    return tensor
+
+
+def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a contiguous ``tensor`` over ranks in place with a ring: reduce-scatter, then all-gather.
+
+    Works for any size: ``tensor_split`` cuts chunks whose sizes differ by at most one element (some may be
+    empty when the tensor has fewer elements than there are ranks).
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size == 1:
+        return tensor
+    chunks = tensor.view(-1).tensor_split(world_size)  # views: writing a chunk writes the tensor
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    incoming = torch.empty_like(chunks[0])  # the first chunk is the largest
+
+    # Reduce-scatter. At step s, rank r passes its partial sum of chunk (r - s) to the right and adds the left
+    # neighbour's partial sum of chunk (r - s - 1) to its own. After N-1 steps, chunk (r + 1) is complete on r.
+    for step in range(world_size - 1):
+        send_chunk = chunks[(rank - step) % world_size]
+        recv_chunk = chunks[(rank - step - 1) % world_size]
+        received = incoming[: recv_chunk.numel()]
+        _exchange(send_chunk, right, received, left)
+        recv_chunk += received
+
+    # All-gather. At step s, rank r passes the complete chunk (r + 1 - s) to the right and receives the complete
+    # chunk (r - s) from the left, straight into place.
+    for step in range(world_size - 1):
+        _exchange(chunks[(rank + 1 - step) % world_size], right, chunks[(rank - step) % world_size], left)
+    return tensor
+
+
+def _exchange(send: torch.Tensor, destination: int, receive: torch.Tensor, source: int) -> None:
+    """Send to one neighbour while receiving from the other. Posting both before waiting matters: if every
+    rank first did a blocking send, all would wait for a receive that nobody has posted yet."""
+    requests = []
+    if send.numel():  # an empty chunk has nothing to send; the receiver knows and posts no receive
+        requests.append(dist.isend(send, destination))
+    if receive.numel():
+        requests.append(dist.irecv(receive, source))
+    for request in requests:
+        request.wait()
+
+
+def all_reduce_gradients(model: nn.Module, all_reduce=dist.all_reduce) -> None:
+    """Average every parameter's gradient over ranks with ONE collective on one flat buffer (one bucket).
+
+    One big message instead of one per parameter: fewer, larger messages use the links far better. ``all_reduce``
+    is any in-place sum (``dist.all_reduce``, ``ring_all_reduce``, ``naive_all_reduce``).
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    bucket = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(bucket)
+    bucket /= dist.get_world_size()  # gloo has no AVG: sum, then divide
+    offset = 0
+    for g in grads:
+        g.copy_(bucket[offset: offset + g.numel()].view_as(g))  # in place: the optimizer holds these tensors
+        offset += g.numel()
