@@ -125,11 +125,3 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
                       timeout=60)
     assert_fails_fast_with(run, "--resume, but there is no checkpoint at", status=1)
 
-
-def test_the_scaling_benchmark_prints_a_row_per_process_count():
-    run = run_command([PYTHON, REPO / "benchmarks/ddp_scaling.py", "--nproc", "1", "--dataset", "digits",
-                       "--epochs", "1"], timeout=120)
-    assert run.returncode == 0, run.output
-    header, row = run.stdout.strip().splitlines()[-2:]
-    assert header.split()[:4] == ["processes", "backend", "device", "samples/s"]
-    assert row.split()[:3] == ["1", "gloo", "cpu"] and row.split()[4] == "1.00x"
