@@ -52,21 +52,24 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
         send_chunk = chunks[(rank - step) % world_size]
         recv_chunk = chunks[(rank - step - 1) % world_size]
         received = incoming[: recv_chunk.numel()]
-        _exchange(send_chunk, right, received, left)
+        exchange(send_chunk, right, received, left)
         recv_chunk += received
 
     # All-gather. At step s, rank r passes the complete chunk (r + 1 - s) to the right and receives the complete
     # chunk (r - s) from the left, straight into place.
     for step in range(world_size - 1):
-        _exchange(chunks[(rank + 1 - step) % world_size], right, chunks[(rank - step) % world_size], left)
+        exchange(chunks[(rank + 1 - step) % world_size], right, chunks[(rank - step) % world_size], left)
     return tensor
 
 
-def _exchange(send: torch.Tensor, destination: int, receive: torch.Tensor, source: int) -> None:
-    """Send to one neighbour while receiving from the other. Posting both before waiting matters: if every
-    rank first did a blocking send, all would wait for a receive that nobody has posted yet."""
+def exchange(send: torch.Tensor, destination: int, receive: torch.Tensor, source: int) -> None:
+    """Send ``send`` to rank ``destination`` while receiving into ``receive`` from rank ``source``.
+
+    Both messages are posted before waiting on either. That matters in a ring: if every rank first did a
+    blocking send, all would wait for a receive that nobody has posted yet. Empty tensors are skipped.
+    """
     requests = []
-    if send.numel():  # an empty chunk has nothing to send; the receiver knows and posts no receive
+    if send.numel():  # an empty chunk has nothing to send; its receiver knows, and posts no receive
         requests.append(dist.isend(send, destination))
     if receive.numel():
         requests.append(dist.irecv(receive, source))

@@ -1,8 +1,12 @@
-"""Allreduce bandwidth over tensor sizes: the hand-made naive and ring allreduce against ``dist.all_reduce``.
+"""Lab 07 (lesson 01): allreduce by hand. A ring allreduce and one-bucket gradient averaging, checked against
+PyTorch's own, then timed against a naive allreduce and ``dist.all_reduce`` over tensor sizes.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/allreduce_bandwidth.py                 # CPU, gloo
-    torchrun --standalone --nproc_per_node=4 benchmarks/allreduce_bandwidth.py --sizes 1M 64M 256M   # 4 GPUs
-    torchrun ... benchmarks/allreduce_bandwidth.py --plot allreduce.png
+    torchrun --standalone --nproc_per_node=4 solutions/07_ring_allreduce.py                  # CPU (gloo)
+    torchrun --standalone --nproc_per_node=4 solutions/07_ring_allreduce.py --sizes 1M 64M 256M  # 4 GPUs (NCCL)
+    torchrun --standalone --nproc_per_node=2 solutions/07_ring_allreduce.py --plot allreduce.png
+
+The implementations are in ``common/collectives.py`` (lesson 01 shows them in full); the lab version of this
+file asks you to write ``ring_all_reduce`` and ``all_reduce_gradients`` yourself.
 
 Figures follow nccl-tests' definitions, so they compare with what ``all_reduce_perf`` prints:
 - algorithm bandwidth, algbw = S / t, for a tensor of S bytes that took t seconds;
@@ -17,9 +21,12 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.collectives import naive_all_reduce, ring_all_reduce
-from common.distributed import print0, setup_distributed, teardown_distributed
+from common.collectives import all_reduce_gradients, naive_all_reduce, ring_all_reduce
+from common.distributed import print0, set_seed, setup_distributed, teardown_distributed
+from common.models import LeNet
 
 ALGORITHMS = {"naive": naive_all_reduce, "ring": ring_all_reduce, "dist.all_reduce": dist.all_reduce}
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -47,11 +54,42 @@ def time_all_reduce(all_reduce, tensor: torch.Tensor, iterations: int, warmup: i
     return statistics.median(times)
 
 
+def check(env) -> bool:
+    """Hand-made results equal PyTorch's: allreduce on sizes that do not divide by N, gradients against DDP."""
+    ok = True
+    for size in (1, 7, 1000, 1003):
+        data = torch.randn(size, generator=torch.Generator().manual_seed(env.rank)).to(env.device)
+        expected = data.clone()
+        dist.all_reduce(expected)
+        for name in ("naive", "ring"):
+            ok &= torch.allclose(ALGORITHMS[name](data.clone()), expected, rtol=1e-5, atol=1e-5)
+
+    X = torch.randn(16, *LeNet.input_shape, generator=torch.Generator().manual_seed(env.rank)).to(env.device)
+    y = torch.arange(16, device=env.device) % 10
+    grads = {}
+    for name in ("ddp", "one bucket"):
+        set_seed(0)
+        model = LeNet().to(env.device)
+        net = DDP(model, device_ids=[env.device] if env.device.type == "cuda" else None) if name == "ddp" else model
+        F.cross_entropy(net(X), y).backward()
+        if name == "one bucket":
+            all_reduce_gradients(model, ring_all_reduce)
+        grads[name] = [p.grad for p in model.parameters()]
+    ok &= all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads["ddp"], grads["one bucket"]))
+    verdict = torch.tensor(int(ok), device=env.device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MIN)  # one verdict for all ranks: all go on, or all stop
+    return bool(verdict)
+
+
 def main(args):
     env = setup_distributed(args.backend)
     try:
         rows = []
         print0(f"{env.world_size} processes, backend {env.backend}, device {env.device.type}")
+        results_match = check(env)
+        print0(f"ring and naive allreduce equal dist.all_reduce, one-bucket gradients equal DDP's: {results_match}")
+        if not results_match:
+            raise SystemExit("error: the hand-made allreduce gives different results; fix it before timing it")
         print0(f"{'size':>10} {'algorithm':>16} {'time (ms)':>10} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}")
         for size in args.sizes:
             tensor = torch.ones(max(1, parse_size(size) // 4), dtype=torch.float32, device=env.device)
