@@ -103,19 +103,10 @@ def train(args, env):
     steps_per_epoch = min(len(train_iter), args.max_steps or len(train_iter))
     for epoch in range(start_epoch, args.epochs):
         train_iter.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
-        net.train()
-        loss_sum, samples = torch.zeros((), device=env.device), 0
         start = time.perf_counter()
-        for X, y in tqdm(islice(train_iter, steps_per_epoch), total=steps_per_epoch, disable=not is_main(),
-                         desc=f"epoch {epoch + 1}/{args.epochs}", leave=False, mininterval=1.0):
-            X, y = X.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            loss = F.cross_entropy(net(X), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP all-reduces the gradients here, bucket by bucket, while backward runs
-            optimizer.step()
-            loss_sum += loss.detach() * len(y)  # no .item(): that would wait for the GPU at every step
-            samples += len(y)
-            step += 1
+        loss_sum, samples = train_one_epoch(net, islice(train_iter, steps_per_epoch), optimizer, env.device,
+                                            progress=f"epoch {epoch + 1}/{args.epochs}", steps=steps_per_epoch)
+        step += steps_per_epoch
         # Reducing the loss waits for every rank's last step, so the clock stops after the real work.
         train_loss = global_mean(loss_sum, samples, env.device)
         seconds = time.perf_counter() - start
@@ -141,6 +132,21 @@ def train(args, env):
         print0(f"metrics written to {args.metrics_file}")
 
 
+
+
+def train_one_epoch(net, batches, optimizer, device, progress: str, steps: int):
+    """One pass over this rank's batches; returns the summed loss (a tensor) and the number of samples."""
+    net.train()
+    loss_sum, samples = torch.zeros((), device=device), 0
+    for X, y in tqdm(batches, total=steps, desc=progress, disable=not is_main(), leave=False, mininterval=1.0):
+        X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = F.cross_entropy(net(X), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces the gradients here, bucket by bucket, while backward runs
+        optimizer.step()  # the same averaged gradients on every rank: the replicas stay identical
+        loss_sum += loss.detach() * len(y)  # no .item(): that would wait for the GPU at every step
+        samples += len(y)
+    return loss_sum, samples
 
 if __name__ == "__main__":
     main(parse_args())

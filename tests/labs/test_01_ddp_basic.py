@@ -1,4 +1,8 @@
-"""Real runs of solutions/01_ddp_basic.py through torchrun (gloo, CPU), as the README tells readers to run it.
+"""Lab 01: real runs of the DDP training script through torchrun (gloo, CPU), as the README tells readers to.
+
+Runs against solutions/01_ddp_basic.py; with LAB_TARGET=labs, against your labs/01_ddp_basic.py:
+
+    LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_01_ddp_basic.py
 
 Each run has a timeout, so a hang fails the test instead of stalling CI.
 """
@@ -8,9 +12,9 @@ import json
 import pytest
 import torch
 
-from tests.conftest import NO_NETWORK, PYTHON, REPO, run_command, torchrun
+from tests.conftest import NO_NETWORK, PYTHON, REPO, lab_path, run_command, torchrun
 
-SCRIPT = "solutions/01_ddp_basic.py"
+SCRIPT = lab_path("01_ddp_basic")
 # Over seeds 0-3 on a 2-core CPU, 5 epochs on digits with 2 processes reach 94.4-97.5% test accuracy; one
 # epoch reaches 45-66% and chance is 10%. 85% fails a run that stops learning, without flaking.
 MIN_ACCURACY = 0.85
@@ -65,7 +69,7 @@ def test_any_number_of_processes_from_1_to_4(tmp_path, nproc):
 
 
 def test_plain_python_runs_as_a_world_of_one(tmp_path):
-    run = run_command([PYTHON, REPO / SCRIPT, "--dataset", "synthetic", "--model", "simplecnn", "--epochs", "1",
+    run = run_command([PYTHON, SCRIPT, "--dataset", "synthetic", "--model", "simplecnn", "--epochs", "1",
                        "--max-steps", "2", "--batch-size", "8", "--metrics-file", tmp_path / "m.json"], timeout=120)
     assert run.returncode == 0, run.output
     metrics = json.loads((tmp_path / "m.json").read_text())
@@ -82,10 +86,10 @@ def assert_fails_fast_with(run, message, status=None):
 
 
 def frames_in_our_code(output: str) -> list[str]:
-    """Traceback lines that point into common/, solutions/ or torchvision."""
+    """Traceback lines that point into common/, solutions/, labs/ or torchvision."""
+    ours = [str(REPO / folder) for folder in ("common", "solutions", "labs")] + ["torchvision"]
     frames = [line for line in output.splitlines() if line.lstrip().startswith('File "')]
-    return [frame for frame in frames
-            if str(REPO / "common") in frame or str(REPO / "solutions") in frame or "torchvision" in frame]
+    return [frame for frame in frames if any(place in frame for place in ours)]
 
 
 def test_the_traceback_check_recognises_a_traceback_through_our_code():
@@ -116,12 +120,12 @@ def test_nccl_without_gpus_is_a_clear_error_not_a_hang():
     (["--resume"], "--resume needs --checkpoint-dir"),
 ])
 def test_bad_options_stop_with_a_usage_message(args, message):
-    run = run_command([PYTHON, REPO / SCRIPT, *args], timeout=60)
+    run = run_command([PYTHON, SCRIPT, *args], timeout=60)
     assert_fails_fast_with(run, message, status=2)
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
-    run = run_command([PYTHON, REPO / SCRIPT, "--dataset", "digits", "--checkpoint-dir", tmp_path, "--resume"],
+    run = run_command([PYTHON, SCRIPT, "--dataset", "digits", "--checkpoint-dir", tmp_path, "--resume"],
                       timeout=60)
     assert_fails_fast_with(run, "--resume, but there is no checkpoint at", status=1)
 
