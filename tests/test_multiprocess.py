@@ -179,3 +179,11 @@ def test_the_harness_turns_a_hang_into_an_error_by_its_deadline():
 def test_the_harness_reports_a_failing_rank_at_once():
     with pytest.raises(RuntimeError, match="rank 1 broke"):
         run_on_ranks(fail_on_rank_1, 2, timeout=60)
+
+
+def test_ddp_construction_gives_every_rank_the_weights_of_rank_0():
+    from common.demos import weights_before_and_after_ddp
+
+    ranks = run_on_ranks(weights_before_and_after_ddp, 3, timeout=90)
+    assert ranks[0]["before"] != ranks[1]["before"] != ranks[2]["before"]
+    assert all(rank["after"] == ranks[0]["before"] for rank in ranks)

@@ -8,11 +8,12 @@ Each run has a timeout, so a hang fails the test instead of stalling CI.
 """
 
 import json
+import subprocess
 
 import pytest
 import torch
 
-from tests.conftest import NO_NETWORK, PYTHON, REPO, lab_path, run_command, torchrun
+from tests.conftest import NO_NETWORK, PYTHON, REPO, TORCHRUN, lab_path, run_command, torchrun
 
 SCRIPT = lab_path("01_ddp_basic")
 # Over seeds 0-3 on a 2-core CPU, 5 epochs on digits with 2 processes reach 94.4-97.5% test accuracy; one
@@ -129,3 +130,16 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
                       timeout=60)
     assert_fails_fast_with(run, "--resume, but there is no checkpoint at", status=1)
 
+
+
+def test_two_standalone_runs_at_once_do_not_collide():
+    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", SCRIPT, "--dataset", "digits", "--epochs", "1",
+               "--max-steps", "2"]
+    runs = [subprocess.Popen([str(part) for part in command], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    try:
+        outputs = [run.communicate(timeout=180)[0] for run in runs]
+    finally:
+        for run in runs:
+            run.kill()
+    assert [run.returncode for run in runs] == [0, 0], outputs
