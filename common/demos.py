@@ -21,3 +21,17 @@ def weights_before_and_after_ddp(env) -> dict:
     before = last_bias[:3].tolist()
     DDP(model)
     return {"before": before, "after": last_bias[:3].tolist()}
+
+
+def hand_made_allreduces(env, size: int = 10) -> dict:
+    """Run the naive and the ring allreduce on a tensor of ``size`` (need not divide by the world size) and
+    report whether each equals ``dist.all_reduce``'s result."""
+    import torch.distributed as dist
+
+    from common.collectives import naive_all_reduce, ring_all_reduce
+
+    data = torch.arange(size, dtype=torch.float64) * (env.rank + 1)
+    expected = data.clone()
+    dist.all_reduce(expected)
+    return {"naive": torch.equal(naive_all_reduce(data.clone()), expected),
+            "ring": torch.equal(ring_all_reduce(data.clone()), expected), "sum": expected[:4].tolist()}

@@ -23,6 +23,7 @@ t is the median over iterations of the slowest rank's time.
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -149,6 +150,7 @@ def plot(rows, path, title):
     axes.grid(True, alpha=0.3)
     axes.legend()
     figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
 
 

@@ -1,0 +1,164 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 01: allreduce by hand
+#
+# The companion notebook of `lessons/01_allreduce_by_hand.md`. Part 1 trains a LeNet data-parallel in one
+# process, the way d2l does it from scratch: on every GPU if there are any, else on simulated CPU "devices"
+# (which shows the algorithm is correct, not that it is fast). Part 2 moves to processes: a naive and a ring
+# allreduce built from point-to-point messages, and their bandwidth against `dist.all_reduce`.
+
+# %% tags=["parameters"]
+import os
+
+QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
+NUM_SIMULATED_DEVICES = 2  # used when there are fewer than 2 GPUs
+NUM_EPOCHS = 3 if QUICK else 20
+BATCH_SIZE, LR = 64, 0.5
+NPROC = 4  # processes for the bandwidth benchmark
+
+# %%
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from d2l import torch as d2l
+from IPython.display import Image
+
+from common import scratch
+from common.data import load_data
+
+REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+gpus = torch.cuda.device_count()
+if gpus >= 2:
+    devices = [torch.device(f"cuda:{i}") for i in range(gpus)]
+else:  # several replicas on the one device there is: shows the algorithm is correct, not that it is fast
+    devices = [torch.device("cuda:0" if gpus else "cpu")] * NUM_SIMULATED_DEVICES
+print(f"PyTorch {torch.__version__}; devices: {[str(d) for d in devices]}"
+      + ("" if gpus >= 2 else " (simulated: correctness, not speed)"))
+
+# %% [markdown]
+# ## Part 1: one process, several devices
+#
+# The model is a function of its parameters, so that we can hold one copy of them per device. The code lives in
+# `common/scratch.py`; here it is in full.
+
+# %%
+for function in (scratch.lenet, scratch.get_params, scratch.allreduce, scratch.split_batch, scratch.train_batch):
+    print(inspect.getsource(function))
+
+# %% [markdown]
+# `allreduce` sums a list of tensors, one per device, and writes the sum back into each of them:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+data = [torch.ones(1, 2, device=device) * (i + 1) for i, device in enumerate(devices[:2])]
+print("before:", [tensor.tolist() for tensor in data])
+scratch.allreduce(data)
+print("after: ", [tensor.tolist() for tensor in data])
+
+# %% [markdown]
+# ### The in-place pitfall
+#
+# The list handed to `allreduce` holds the replicas' own `.grad` tensors. Writing the sum into them
+# (`data[i][:] = ...`) updates the replicas; assigning it (`data[i] = ...`) only rebinds a list slot, and every
+# replica but the first keeps its partial gradient. One step of each:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+generator = torch.Generator().manual_seed(0)
+X, y = torch.randn(16, 1, 28, 28, generator=generator), torch.randint(0, 10, (16,), generator=generator)
+for variant in (scratch.allreduce, scratch.allreduce_by_assignment):
+    params = scratch.init_lenet_params(generator=torch.Generator().manual_seed(0))
+    device_params = [scratch.get_params(params, device) for device in devices]
+    scratch.train_batch(X, y, device_params, devices, lr=0.1, allreduce=variant)
+    identical = all(torch.equal(a, b.to(a.device)) for a, b in zip(device_params[0], device_params[-1]))
+    print(f"{variant.__name__:>24}: replicas identical after one step: {identical}")
+
+# %% [markdown]
+# ### Training
+#
+# d2l's recipe: a `Timer`, one `train_batch` per mini-batch, accuracy of replica 0 after every epoch. The data
+# are scikit-learn's digits (offline); with `d2l.load_data_fashion_mnist` you get d2l's original.
+
+# %%
+data = load_data("digits")
+X_train, y_train = data.train.tensors
+X_test, y_test = data.test.tensors
+
+
+def train(devices, num_epochs, batch_size, lr):
+    params = scratch.init_lenet_params(generator=torch.Generator().manual_seed(0))
+    device_params = [scratch.get_params(params, device) for device in devices]
+    timer, accuracies = d2l.Timer(), []
+    for epoch in range(num_epochs):
+        timer.start()
+        order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
+        for batch in order.split(batch_size):
+            scratch.train_batch(X_train[batch], y_train[batch], device_params, devices, lr)
+        timer.stop()
+        with torch.no_grad():
+            logits = scratch.lenet(X_test.to(devices[0]), device_params[0])
+            accuracies.append((logits.argmax(1).cpu() == y_test).float().mean().item())
+    d2l.plot(list(range(1, num_epochs + 1)), [accuracies], "epoch", "test accuracy", xlim=[1, num_epochs])
+    print(f"test accuracy {accuracies[-1]:.2%}, {timer.avg():.2f} s/epoch on {len(devices)} device(s)")
+
+
+train(devices, NUM_EPOCHS, BATCH_SIZE, LR)
+
+# %% [markdown]
+# ## Part 2: processes, and allreduce from messages
+#
+# With one process per device nobody holds all the tensors: the ranks must exchange messages. Volume per
+# allreduce of S bytes over N ranks: the naive way (everyone sends to rank 0, rank 0 sends the sum back) puts
+# 2(N-1)·S through rank 0's link; the ring puts 2(N-1)/N·S through every rank's link, almost 2·S whatever N is.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f"{'N':>3} {'naive, rank 0 (x S)':>20} {'ring, every rank (x S)':>23}")
+for n in (2, 4, 8, 16, 64):
+    print(f"{n:>3} {2 * (n - 1):>20} {2 * (n - 1) / n:>23.3f}")
+
+# %% [markdown]
+# Both are in `common/collectives.py` (`naive_all_reduce`, `ring_all_reduce`). On 3 processes and a tensor of
+# 10 elements (10 does not divide by 3), both give exactly what `dist.all_reduce` gives:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from common.demos import hand_made_allreduces
+from common.launch import run_on_ranks
+
+for rank, result in enumerate(run_on_ranks(hand_made_allreduces, 3)):
+    print(f"rank {rank}: naive equal {result['naive']}, ring equal {result['ring']}, first sums {result['sum']}")
+
+# %% [markdown]
+# ### Bandwidth
+#
+# `solutions/07_ring_allreduce.py` checks both again, then times them with nccl-tests' definitions: algorithm
+# bandwidth = bytes / time, bus bandwidth = algbw · 2(N-1)/N. On a CPU the processes share the memory bus and
+# the cores, so read the figures as a comparison of algorithms on this machine, not as link speeds.
+
+# %%
+sizes = ["4K", "64K", "1M"] if QUICK else ["4K", "64K", "1M", "16M", "64M"]
+plot_file = "runs/01_allreduce_bandwidth.png"
+run = subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={NPROC}", "solutions/07_ring_allreduce.py",
+                      "--sizes", *sizes, "--plot", plot_file], capture_output=True, text=True, cwd=REPO)
+print(run.stdout)
+assert run.returncode == 0, run.stderr[-2000:]
+Image(filename=str(REPO / plot_file))
