@@ -204,9 +204,9 @@ def replicas_in_sync(model: torch.nn.Module) -> bool:
 
     Compares the element-wise maximum and minimum over ranks (two all-reduces); call it on every rank.
     """
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     if not dist.is_initialized():
         return True
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     highest, lowest = flat.clone(), flat.clone()
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
