@@ -1,10 +1,12 @@
-"""Exact distributed evaluation.
+"""Exact distributed evaluation, and the memory and timing figures that the benchmarks report.
 
 ``DistributedSampler`` pads a data set by repeating its first samples until it divides by the world size:
 11 test samples on 2 ranks become 12, one counted twice. Averaging per-rank accuracies counts the padding.
 ``evaluate`` gathers every rank's per-sample results with their data-set indices and keeps one result per
 index, so each test sample counts exactly once.
 """
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -72,3 +74,35 @@ def run_summary(history: list[dict], env, **details) -> dict:
         **details,
         "history": history,
     }
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has finished the work queued so far.
+
+    CUDA kernels run asynchronously: without this, a clock read after a training step measures how fast
+    Python queued the work, not how fast the GPU did it.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory measurement on a CUDA device (on a CPU the process peak cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory in MiB: tensors allocated on ``device`` by this process since the last reset (CUDA), or the
+    peak resident memory of the whole process since it started (CPU), which includes Python and PyTorch."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource  # Unix only; PyTorch's CPU distributed backends are too
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def memory_kind(device: torch.device) -> str:
+    """What ``peak_memory_mib`` measures on ``device``, for table headers and plot labels."""
+    return "CUDA max_memory_allocated" if device.type == "cuda" else "process peak RSS"

@@ -140,8 +140,6 @@ def train(args, env):
         print0(f"metrics written to {args.metrics_file}")
 
 
-
-
 def train_one_epoch(net, batches, optimizer, device, progress: str, steps: int):
     """One pass over this rank's batches; returns the summed loss (a tensor) and the number of samples."""
     # TODO: put the model in training mode, then for each (X, y) batch: move it to `device`, compute the
@@ -149,6 +147,7 @@ def train_one_epoch(net, batches, optimizer, device, progress: str, steps: int):
     # take an optimizer step. Keep a running sum of loss * batch size (without .item()) and count the samples.
     # Wrap `batches` in tqdm(..., total=steps, desc=progress, disable=not is_main()) for a rank-0 progress bar.
     raise NotImplementedError("TODO: the training step")
+
 
 if __name__ == "__main__":
     main(parse_args())

@@ -132,8 +132,6 @@ def train(args, env):
         print0(f"metrics written to {args.metrics_file}")
 
 
-
-
 def train_one_epoch(net, batches, optimizer, device, progress: str, steps: int):
     """One pass over this rank's batches; returns the summed loss (a tensor) and the number of samples."""
     net.train()
@@ -147,6 +145,7 @@ def train_one_epoch(net, batches, optimizer, device, progress: str, steps: int):
         loss_sum += loss.detach() * len(y)  # no .item(): that would wait for the GPU at every step
         samples += len(y)
     return loss_sum, samples
+
 
 if __name__ == "__main__":
     main(parse_args())

@@ -1,0 +1,116 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 02: DataParallel, and why the course uses DDP instead
+#
+# The companion notebook of `lessons/02_data_parallel.md`. It opens `nn.DataParallel`'s forward pass into its
+# four steps and runs them by hand (on CPU "devices" if there are no GPUs, which shows what is computed, not how
+# fast), then runs `solutions/08_dp_vs_ddp.py`, which measures DataParallel against DDP on the same model, data
+# and global batch. DataParallel needs 2 or more GPUs; where there are fewer, the script measures DDP alone and
+# says so.
+
+# %% tags=["parameters"]
+import os
+
+QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
+NPROC = 2  # DDP processes in the comparison (on a GPU machine: the number of GPUs to compare on)
+MODEL = "lenet" if QUICK else "simplecnn"
+STEPS = 3 if QUICK else 20
+
+# %%
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from IPython.display import Image, Markdown, display
+from torch import nn
+
+from common.data_parallel import data_parallel_forward
+from common.models import LeNet
+
+REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+GPUS = torch.cuda.device_count()
+print(f"PyTorch {torch.__version__}, {GPUS} CUDA device(s)")
+
+# %% [markdown]
+# ## One forward pass, four steps
+#
+# `nn.DataParallel(model)(X)` scatters `X` into one chunk per GPU, replicates the model from GPU 0 to every GPU,
+# runs the replicas in parallel threads, and gathers the outputs on GPU 0. `common.data_parallel` writes the
+# same four steps out; with fewer than 2 GPUs it runs them on two CPU "devices". The replicas are copies that
+# autograd records, so `backward()` sums every replica's gradient into the original parameters: the result is
+# the gradient of the whole batch.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+devices = ["cuda:0", "cuda:1"] if GPUS >= 2 else ["cpu", "cpu"]  # two replicas: the same output everywhere
+torch.manual_seed(0)
+model = LeNet().to(devices[0])
+generator = torch.Generator().manual_seed(0)
+X, y = torch.randn(10, 1, 28, 28, generator=generator), torch.randint(0, 10, (10,), generator=generator)
+
+
+def gradients(forward):
+    model.zero_grad()
+    F.cross_entropy(forward(X), y.to(devices[0])).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+chunk_sizes = []
+hook = model.register_forward_pre_hook(lambda module, args: chunk_sizes.append(len(args[0])))
+by_hand = gradients(lambda X: data_parallel_forward(model, X, devices))
+hook.remove()
+whole_batch = gradients(lambda X: model(X.to(devices[0])))
+print(f"{len(X)} samples on {len(devices)} replicas: chunks of {sorted(chunk_sizes, reverse=True)}")
+print("gradients equal to the whole batch's:",
+      all(torch.allclose(a, b, atol=1e-6) for a, b in zip(by_hand, whole_batch)))
+
+# %% [markdown]
+# The batch you hand DataParallel is the *global* batch: each of N GPUs gets 1/N of it. And without GPUs
+# DataParallel does nothing at all: it calls the module on the whole batch.
+
+# %%
+if GPUS == 0:
+    sizes = []
+    linear = nn.Linear(4, 2)
+    linear.register_forward_pre_hook(lambda module, args: sizes.append(len(args[0])))
+    net = nn.DataParallel(linear)
+    net(torch.randn(6, 4))
+    print(f"no GPU: device_ids={net.device_ids}, the module saw batches of {sizes}")
+else:
+    print(f"{GPUS} GPU(s): DataParallel would split each batch over device_ids={list(range(GPUS))}")
+
+# %% [markdown]
+# ## DataParallel against DDP, measured
+#
+# `solutions/08_dp_vs_ddp.py` runs DDP on `NPROC` processes, then DataParallel on as many GPUs in one process,
+# with the same global batch. On a machine with fewer GPUs than that, it measures DDP alone and writes down why
+# DataParallel was skipped: no figure in the table is made up.
+
+# %%
+results_dir = "runs/02_dp_vs_ddp"  # relative to the repository, where the command runs
+run = subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={NPROC}", "solutions/08_dp_vs_ddp.py",
+                      "--model", MODEL, "--steps", str(STEPS), "--results-dir", results_dir],
+                     capture_output=True, text=True, cwd=REPO)
+print(run.stdout)
+assert run.returncode == 0, run.stderr[-2000:]
+
+# %%
+display(Markdown((REPO / results_dir / "results.md").read_text()))
+display(Image(filename=str(REPO / results_dir / "results.png")))

@@ -1,0 +1,71 @@
+"""nn.DataParallel's forward pass, by hand (common.data_parallel), against the whole batch on one device."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.data_parallel import data_parallel_forward
+from common.models import LeNet
+
+
+def batch(size=8):
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(size, 1, 28, 28, generator=generator), torch.randint(0, 10, (size,), generator=generator)
+
+
+def loss_and_gradients(model, forward):
+    model.zero_grad()
+    X, y = batch()
+    loss = F.cross_entropy(forward(X), y)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def count_forward_batches(model):
+    sizes = []
+    model.register_forward_pre_hook(lambda module, args: sizes.append(len(args[0])))
+    return sizes
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_replicas_gradients_sum_into_the_original_parameters(replicas):
+    torch.manual_seed(0)
+    model = LeNet()
+    whole_loss, whole_grads = loss_and_gradients(model, model)
+    sizes = count_forward_batches(model)
+    loss, grads = loss_and_gradients(model, lambda X: data_parallel_forward(model, X, ["cpu"] * replicas))
+    # one replica per chunk (threads may start in any order)
+    assert sorted(sizes) == sorted(len(chunk) for chunk in torch.arange(8).chunk(replicas))
+    torch.testing.assert_close(loss, whole_loss)
+    torch.testing.assert_close(grads, whole_grads)
+
+
+def test_a_wrong_gather_order_is_caught():
+    # The same comparison must fail if outputs are concatenated in the wrong order.
+    torch.manual_seed(0)
+    model = LeNet()
+    _, whole_grads = loss_and_gradients(model, model)
+    _, grads = loss_and_gradients(model, lambda X: data_parallel_forward(model, X.flip(0), ["cpu", "cpu"]))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(grads, whole_grads)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what DataParallel does on a machine without CUDA")
+def test_without_gpus_dataparallel_calls_the_module_once_on_the_whole_batch():
+    model = nn.Linear(4, 2)
+    net = nn.DataParallel(model)
+    sizes = count_forward_batches(model)
+    net(torch.randn(6, 4))
+    assert net.device_ids == [] and sizes == [6]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel needs 2 or more GPUs to split a batch")
+def test_dataparallel_on_two_gpus_matches_the_by_hand_version_and_the_whole_batch():
+    torch.manual_seed(0)
+    model = LeNet().to("cuda:0")
+    whole_loss, whole_grads = loss_and_gradients(model, lambda X: model(X.to("cuda:0")))
+    _, dp_grads = loss_and_gradients(model, lambda X: nn.DataParallel(model, device_ids=[0, 1])(X.to("cuda:0")))
+    _, hand_grads = loss_and_gradients(model, lambda X: data_parallel_forward(model, X, ["cuda:0", "cuda:1"]))
+    torch.testing.assert_close(dp_grads, whole_grads)
+    torch.testing.assert_close(hand_grads, whole_grads)
