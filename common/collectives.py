@@ -10,11 +10,15 @@ every rank. They are for learning and measuring, not for training: NCCL and gloo
   rank sends 2(N-1)/N of the tensor, whatever N is: bandwidth-optimal.
 - ``all_reduce_gradients``: average a model's gradients with one collective over one flat bucket, instead of
   one collective per parameter.
+- ``AllreduceCounter``: a DDP communication hook that counts the allreduces DDP makes, and their bytes.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 
 def naive_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,3 +95,34 @@ def all_reduce_gradients(model: nn.Module, all_reduce=dist.all_reduce) -> None:
     for g in grads:
         g.copy_(bucket[offset: offset + g.numel()].view_as(g))  # in place: the optimizer holds these tensors
         offset += g.numel()
+
+
+@dataclass
+class AllreduceCounter:
+    """How many allreduces DDP started, and how many bytes they carried, since ``attach`` or ``reset``.
+
+        counter = AllreduceCounter.attach(ddp_model)   # before the first forward
+        ...train...
+        counter.calls, counter.bytes
+
+    It registers a communication hook that counts each gradient bucket, then all-reduces it exactly as DDP's
+    default does (sum, divide by the world size), so training is unchanged.
+    """
+
+    calls: int = 0
+    bytes: int = 0
+
+    @classmethod
+    def attach(cls, ddp_model) -> "AllreduceCounter":
+        counter = cls()
+        ddp_model.register_comm_hook(counter, _counting_allreduce_hook)
+        return counter
+
+    def reset(self) -> None:
+        self.calls, self.bytes = 0, 0
+
+
+def _counting_allreduce_hook(counter: AllreduceCounter, bucket: dist.GradBucket):
+    counter.calls += 1
+    counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+    return allreduce_hook(None, bucket)  # None: the default process group
