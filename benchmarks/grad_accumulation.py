@@ -10,6 +10,7 @@ is the gradient data all-reduced, of which a ring allreduce sends 2(N-1)/N from 
 """
 
 import argparse
+import statistics
 import time
 from contextlib import nullcontext
 
@@ -31,7 +32,8 @@ def parse_args(argv=None):
     parser.add_argument("--model", choices=list(MODELS), default="simplecnn")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="per process and micro-step")
     parser.add_argument("--accum-steps", type=positive_int, default=4)
-    parser.add_argument("--steps", type=positive_int, default=5, help="timed effective steps per mode")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed effective steps per mode and round")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="the modes alternate; medians are printed")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
     return parser.parse_args(argv)
 
@@ -69,12 +71,20 @@ def main(args):
                f"{env.device.type}, {args.accum_steps} micro-steps of {args.batch_size} per effective step")
         print0(f"{'mode':>22} {'allreduces/step':>15} {'grad MB/step':>12} {'ms/step':>8}")
         effective_steps(net, optimizer, X, y, args.accum_steps, 1, False, env.device)  # warm-up, buckets built
+        # The modes take turns, round after round, and each reports its median round: a background load that
+        # comes and goes then hits both alike, instead of whichever happened to run during it.
+        seconds, counts = {False: [], True: []}, {}
+        for _ in range(args.rounds):
+            for use_no_sync in (False, True):
+                counter.reset()
+                seconds[use_no_sync].append(effective_steps(net, optimizer, X, y, args.accum_steps, args.steps,
+                                                            use_no_sync, env.device))
+                counts[use_no_sync] = (counter.calls, counter.bytes)
         for use_no_sync in (False, True):
-            counter.reset()
-            seconds = effective_steps(net, optimizer, X, y, args.accum_steps, args.steps, use_no_sync, env.device)
+            calls, sent = counts[use_no_sync]
             mode = "no_sync on k-1 of k" if use_no_sync else "allreduce every micro"
-            print0(f"{mode:>22} {counter.calls / args.steps:>15.1f} {counter.bytes / args.steps / 1e6:>12.2f} "
-                   f"{1000 * seconds / args.steps:>8.1f}")
+            print0(f"{mode:>22} {calls / args.steps:>15.1f} {sent / args.steps / 1e6:>12.2f} "
+                   f"{1000 * statistics.median(seconds[use_no_sync]) / args.steps:>8.1f}")
     finally:
         teardown_distributed()
 

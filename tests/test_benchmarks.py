@@ -16,7 +16,8 @@ def test_the_scaling_benchmark_prints_a_row_per_process_count():
 
 def test_the_accumulation_benchmark_counts_one_allreduce_round_per_effective_step_under_no_sync():
     run = run_command([TORCHRUN, "--standalone", "--nproc_per_node=2", REPO / "benchmarks/grad_accumulation.py",
-                       "--model", "lenet", "--batch-size", "2", "--accum-steps", "4", "--steps", "2"], timeout=120)
+                       "--model", "lenet", "--batch-size", "2", "--accum-steps", "4", "--steps", "2", "--rounds", "1"],
+                      timeout=120)
     assert run.returncode == 0, run.output
     rows = {line.rsplit(None, 3)[0].strip(): line.rsplit(None, 3)[1:] for line in run.stdout.splitlines()
             if line.strip().startswith(("allreduce every", "no_sync"))}

@@ -1,0 +1,157 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 04: gradient accumulation
+#
+# The companion notebook of `lessons/04_gradient_accumulation.md`: why the loss is divided, which micro-steps
+# all-reduce under `no_sync`, what that saves, that accumulation really follows the path of a bigger batch, and
+# what the linear learning-rate scaling rule does when it is measured instead of recited. Training runs go
+# through `torchrun` as subprocesses, as you would launch them.
+
+# %% tags=["parameters"]
+import os
+
+QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
+NPROC = 2
+COMPARE_EPOCHS = 1 if QUICK else 3
+LR_EPOCHS = 1 if QUICK else 10
+LR_NPROC = 1 if QUICK else 2  # one process starts faster; the full run uses 2
+
+# %%
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+
+from common.models import LeNet
+
+REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def launch(*args, nproc=NPROC):
+    """Run a repository script under torchrun and return its standard output (the warnings go to stderr)."""
+    run = subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *map(str, args)],
+                         capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
+# %% [markdown]
+# ## Why the loss is divided
+#
+# `.grad` adds up over `backward()` calls. Four micro-batches of 5 give the sum of four mean-loss gradients:
+# four times the gradient of the 20 samples together. Dividing each micro-step's loss by 4 gives exactly the
+# whole batch's gradient.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+generator = torch.Generator().manual_seed(0)
+X, y = torch.randn(20, 1, 28, 28, generator=generator), torch.randint(0, 10, (20,), generator=generator)
+
+
+def accumulated_gradient(micro_batches, divide):
+    torch.manual_seed(0)
+    model = LeNet()
+    for X_micro, y_micro in micro_batches:
+        loss = F.cross_entropy(model(X_micro), y_micro)
+        (loss / len(micro_batches) if divide else loss).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+whole = accumulated_gradient([(X, y)], divide=True)
+micro = list(zip(X.split(5), y.split(5)))
+divided, undivided = accumulated_gradient(micro, divide=True), accumulated_gradient(micro, divide=False)
+print("divided by 4: equal to the whole batch's gradient:", torch.allclose(divided, whole, atol=1e-6))
+print(f"not divided: {undivided.norm() / whole.norm():.2f} times the whole batch's gradient")
+
+# %% [markdown]
+# ## Which micro-steps all-reduce
+#
+# With k = 4 and an epoch of 10 micro-batches: the course's rule (step after every k-th micro-batch, and after
+# the last one), and the two rules found in other material. `S` marks a micro-step that all-reduces and steps,
+# `.` one inside `no_sync`.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def schedule(num_batches, k, steps_after):
+    return "".join("S" if steps_after(i, k, num_batches) else "." for i in range(num_batches))
+
+
+rules = {
+    "course: every k-th, and the last": lambda i, k, n: (i + 1) % k == 0 or i == n - 1,
+    "i % k == 0 steps (off by one)": lambda i, k, n: i % k == 0,
+    "(i + 1) % k == 0 only": lambda i, k, n: (i + 1) % k == 0,
+}
+for name, rule in rules.items():
+    print(f"{name:>34}: {schedule(10, 4, rule)}")
+
+# %% [markdown]
+# The second rule steps after the very first micro-batch alone, with a gradient divided by 4. The third never
+# steps on the last two micro-batches: their gradients stay in `.grad` and leak into the next epoch's first step.
+#
+# ## What no_sync saves
+#
+# `benchmarks/grad_accumulation.py` counts DDP's allreduces with a communication hook
+# (`common.collectives.AllreduceCounter`) and times an effective step of 4 micro-steps, with and without `no_sync`:
+
+# %%
+print(launch("benchmarks/grad_accumulation.py", "--steps", 2 if QUICK else 5, "--rounds", 1 if QUICK else 5))
+
+# %% [markdown]
+# ## Accumulation follows the path of a bigger batch
+#
+# 4 micro-batches of 16 per process against plain batches of 64 per process, same data order: the training
+# losses agree to the rounding of float sums.
+
+# %%
+histories = {}
+for name, script, batch_args in [("4 x 16, accumulated", "solutions/02_gradient_accumulation.py",
+                                  ["--batch-size", 16, "--grad-accum-steps", 4]),
+                                 ("64, plain DDP", "solutions/01_ddp_basic.py", ["--batch-size", 64])]:
+    metrics_file = REPO / "runs" / f"04_{script.split('/')[1][:2]}.json"
+    launch(script, "--dataset", "digits", "--epochs", COMPARE_EPOCHS, *batch_args, "--metrics-file", metrics_file)
+    histories[name] = json.loads(metrics_file.read_text())["history"]
+for epoch in range(COMPARE_EPOCHS):
+    print(f"epoch {epoch + 1}: " + ", ".join(f"{name}: train loss {history[epoch]['train_loss']:.5f}"
+                                              for name, history in histories.items()))
+
+# %% [markdown]
+# ## The linear scaling rule, measured
+#
+# `benchmarks/lr_scaling.py` trains four times for the same number of epochs on digits: the baseline (16 per
+# process, 2 processes: batch 32, lr 0.05), 4 times the batch through accumulation at the same lr, at 4 times the
+# lr, and at 4 times the lr reached by a one-epoch linear warm-up.
+
+# %%
+results_file = REPO / "runs" / "04_lr_scaling.json"
+run = subprocess.run([sys.executable, "benchmarks/lr_scaling.py", "--epochs", str(LR_EPOCHS),
+                      "--nproc", str(LR_NPROC), "--results-file", str(results_file)],
+                     capture_output=True, text=True, cwd=REPO)
+print(run.stdout)
+assert run.returncode == 0, run.stderr[-2000:]
+figure, axes = plt.subplots(figsize=(7, 4))
+for result in json.loads(results_file.read_text()):
+    epochs = range(1, len(result["test_accuracy"]) + 1)
+    axes.plot(epochs, result["test_accuracy"], marker="o",
+              label=f"{result['name']} (batch {result['effective_batch']}, lr {result['lr']:.2f})")
+axes.set(xlabel="epoch", ylabel="test accuracy", title="same epochs, larger batch: does scaling the lr help?")
+axes.legend()
+plt.show()
