@@ -3,6 +3,7 @@
 - ``common.distributed``: process-group set-up and teardown, ``is_main``/``print0``, ``set_seed``, reductions.
 - ``common.data``: data sets by name (``digits`` works offline) and loaders sharded over ranks.
 - ``common.models``: ``LeNet`` and ``SimpleCNN``.
+- ``common.batchnorm``: synchronized BatchNorm by hand (what ``nn.SyncBatchNorm`` computes), for CPUs.
 - ``common.metrics``: exact distributed evaluation.
 - ``common.checkpoint``: atomic, rank-0-only checkpoints and JSON files.
 - ``common.launch``: run a function on N local processes (tests, notebooks).

@@ -123,3 +123,87 @@ figure.tight_layout()
 plt.show()
 print(f"final test accuracy {metrics['final_test_accuracy']:.2%}, {metrics['samples_per_second']:,.0f} samples/s, "
       f"replicas in sync: {metrics['replicas_in_sync']}")
+
+# %% [markdown]
+# ## BatchNorm across ranks
+#
+# One batch of 16 images, the last 8 brighter, split over two ranks: each runs SimpleCNN's convolutional layers
+# once in training mode on its half. With plain BatchNorm each rank normalises with its own half's statistics
+# and folds them into its own running averages. The hand-made synchronized BatchNorm of `common/batchnorm.py`
+# all-reduces the statistics first, and matches one process holding the whole batch. Shown: the first
+# BatchNorm's `running_mean` (3 of 64 channels), and the largest difference, over all 64 channels, from the
+# single process.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from common.demos import batch_norm_across_ranks, batch_norm_batch
+from common.distributed import set_seed
+from common.models import SimpleCNN
+
+set_seed(0)
+single = SimpleCNN()
+single.features(batch_norm_batch())  # one process, all 16 images, training mode
+reference = dict(single.named_buffers())
+ranks = run_on_ranks(batch_norm_across_ranks, 2)
+
+
+def show(label, buffers):
+    mean, var = buffers["features.1.running_mean"], buffers["features.1.running_var"]
+    gap_mean = (mean - reference["features.1.running_mean"]).abs().max().item()
+    gap_var = (var - reference["features.1.running_var"]).abs().max().item()
+    print(f"{label:<26} running_mean[:3] {[round(m, 3) for m in mean[:3].tolist()]}"
+          f"   largest gap: mean {gap_mean:.3f}, var {gap_var:.3f}")
+
+
+show("one process, 16 images", reference)
+for kind in ("plain", "synchronized"):
+    for rank, result in enumerate(ranks):
+        show(f"rank {rank}, {kind}", result[kind]["buffers"])
+
+# %% [markdown]
+# The real `nn.SyncBatchNorm` (`model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before DDP) runs on GPUs
+# only in PyTorch 2.14: on CPU tensors its forward raises `ValueError`. With a CUDA device, the same demo runs
+# it too, on the GPU:
+
+# %%
+if "sync_batchnorm" in ranks[0]:
+    for rank, result in enumerate(ranks):
+        show(f"rank {rank}, nn.SyncBatchNorm", result["sync_batchnorm"]["buffers"])
+else:
+    print("no CUDA device here: nn.SyncBatchNorm not run")
+
+# %% [markdown]
+# ## Uneven inputs: the failure, and Join
+#
+# Rank 0 has 4 batches, rank 1 has 3. Without `Join`, rank 0's fourth backward starts a gradient all-reduce that
+# rank 1 never runs: rank 1 has moved on to `replicas_in_sync`, an all-reduce of its own. The deadline (60 s) is
+# a safety net; what happens first is below.
+
+# %%
+import time
+
+from common.demos import train_on_uneven_inputs
+
+start = time.monotonic()
+try:
+    run_on_ranks(train_on_uneven_inputs, 2, False, timeout=60)
+except (RuntimeError, TimeoutError) as error:
+    print(f"without Join: {type(error).__name__} after {time.monotonic() - start:.1f} s, process start included")
+    print(str(error).strip().splitlines()[-1].split(" This is")[0])  # the last line, without gloo's advice
+else:
+    print("without Join: no error")  # not what PyTorch 2.14 does; the lesson would need updating
+
+# %% [markdown]
+# Collectives pair up by their order, not by their meaning. gloo paired rank 1's all-reduce of its parameters
+# (float64) with rank 0's all-reduce of its gradients (float32), found sizes that differ, and aborted rank 0: the
+# `terminate called ... collective mismatch` lines come from rank 0. Rank 1 then lost its peer: the
+# `RuntimeError`. Had the two all-reduces had the same size, nothing would have failed and both ranks would have
+# carried on with wrong numbers (`tests/test_multiprocess.py` shows it).
+#
+# With `with Join([model]):` around the loop, rank 1 answers rank 0's last gradient all-reduce with zeros, and
+# both ranks leave with the same parameters:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for rank, result in enumerate(run_on_ranks(train_on_uneven_inputs, 2, True)):
+    print(f"with Join, rank {rank}: {result['steps']} steps, replicas in sync: {result['in_sync']}")

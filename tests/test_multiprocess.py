@@ -13,11 +13,11 @@ from torch.utils.data import Dataset, TensorDataset
 
 from common.checkpoint import load_checkpoint, save_checkpoint
 from common.data import make_loader
-from common.distributed import (all_reduce_mean, all_reduce_sum, global_mean, main_process_first, replicas_in_sync,
-                                set_seed)
+from common.distributed import (all_reduce_mean, all_reduce_sum, get_rank, global_mean, main_process_first,
+                                replicas_in_sync, set_seed)
 from common.launch import run_on_ranks
 from common.metrics import evaluate
-from common.models import LeNet
+from common.models import LeNet, SimpleCNN
 
 STEPS, BATCH, LR = 3, 16, 0.1
 
@@ -187,3 +187,150 @@ def test_ddp_construction_gives_every_rank_the_weights_of_rank_0():
     ranks = run_on_ranks(weights_before_and_after_ddp, 3, timeout=90)
     assert ranks[0]["before"] != ranks[1]["before"] != ranks[2]["before"]
     assert all(rank["after"] == ranks[0]["before"] for rank in ranks)
+
+
+def whole_batch_reference():
+    """One process, SimpleCNN's convolutional layers on the whole BatchNorm demo batch: output and buffers."""
+    from common.demos import batch_norm_batch
+
+    set_seed(0)
+    model = SimpleCNN()
+    return model.features(batch_norm_batch()).detach(), dict(model.named_buffers())
+
+
+@pytest.fixture(scope="module")
+def batch_norm_ranks():
+    """One 2-rank run of the lesson's BatchNorm demo, shared by the tests that read it."""
+    from common.demos import batch_norm_across_ranks
+
+    return run_on_ranks(batch_norm_across_ranks, 2, timeout=120)
+
+
+def test_plain_batch_norm_statistics_differ_per_rank_and_from_one_process_on_the_whole_batch(batch_norm_ranks):
+    features, buffers = whole_batch_reference()
+    plain = [rank["plain"] for rank in batch_norm_ranks]
+    first = "features.1.running_mean"  # the first BatchNorm, where the brighter half shows most
+    assert (plain[0]["buffers"][first] - plain[1]["buffers"][first]).abs().max() > 0.1
+    for rank in plain:
+        for name, reference in buffers.items():
+            if name.endswith(("running_mean", "running_var")):
+                # Each rank saw only its half: in every BatchNorm, a difference far above rounding errors.
+                assert (rank["buffers"][name] - reference).abs().max() > 1e-2, name
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(plain[0]["features"], features[:8])
+
+
+def test_synchronized_batch_norm_equals_one_process_on_the_whole_batch(batch_norm_ranks):
+    features, buffers = whole_batch_reference()
+    for rank, half in zip(batch_norm_ranks, features.chunk(2)):
+        torch.testing.assert_close(rank["synchronized"]["buffers"], buffers)  # all three BatchNorms
+        torch.testing.assert_close(rank["synchronized"]["features"], half)
+
+
+def features_gradients(X, model):
+    """Backpropagate a fixed weighted sum of SimpleCNN's features through ``model``, in float64.
+
+    float64, because in float32 the biases of the convolutions before a BatchNorm (whose true gradient is zero:
+    BatchNorm subtracts any constant) get gradients made of rounding errors, which no two runs share.
+    """
+    X = X.double().requires_grad_()
+    model = model.double()
+    weights = torch.randn(16, 256, 4, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    weights = weights.chunk(16 // len(X))[get_rank()]  # this rank's rows: the ranks' losses add up to the whole's
+    (model.features(X) * weights).sum().backward()
+    return {"input": X.grad, "params": [p.grad for p in model.features.parameters()]}
+
+
+def synchronized_gradients(env):
+    from common.batchnorm import synchronize_batch_norms
+    from common.demos import batch_norm_batch
+
+    set_seed(0)
+    return features_gradients(batch_norm_batch().chunk(env.world_size)[env.rank], synchronize_batch_norms(SimpleCNN()))
+
+
+def test_synchronized_batch_norm_backpropagates_the_gradients_of_one_process_on_the_whole_batch():
+    from common.demos import batch_norm_batch
+
+    set_seed(0)
+    reference = features_gradients(batch_norm_batch(), SimpleCNN())
+    ranks = run_on_ranks(synchronized_gradients, 2, timeout=90)
+    torch.testing.assert_close(torch.cat([rank["input"] for rank in ranks]), reference["input"])
+    # Parameter gradients stay per rank until DDP all-reduces them: their sum is the whole batch's gradient.
+    summed = [sum(grads) for grads in zip(*(rank["params"] for rank in ranks))]
+    torch.testing.assert_close(summed, reference["params"])
+
+
+def sync_batch_norm_on_cpu(env):
+    from common.demos import batch_norm_batch
+
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(SimpleCNN())
+    model.features(batch_norm_batch().chunk(env.world_size)[env.rank])
+
+
+def test_sync_batch_norm_has_no_cpu_implementation_in_this_pytorch():
+    # The lesson says that nn.SyncBatchNorm runs on GPUs only. When PyTorch adds CPU support, this test fails:
+    # then the lesson and common/batchnorm.py's docstring need updating.
+    with pytest.raises(RuntimeError, match="ValueError: SyncBatchNorm expected input tensor to be on GPU"):
+        run_on_ranks(sync_batch_norm_on_cpu, 2, timeout=60)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="nn.SyncBatchNorm needs CUDA tensors in PyTorch 2.14; this machine has no CUDA device")
+def test_sync_batch_norm_on_a_gpu_equals_one_process_on_the_whole_batch(batch_norm_ranks):
+    features, buffers = whole_batch_reference()  # on the CPU
+    for rank, half in zip(batch_norm_ranks, features.chunk(2)):
+        # CPU and GPU sum in different orders: float32 rounding, far below the per-rank differences (> 1e-2).
+        torch.testing.assert_close(rank["sync_batchnorm"]["buffers"], buffers, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rank["sync_batchnorm"]["features"], half, rtol=1e-4, atol=1e-4)
+
+
+def gradients_against_an_unrelated_all_reduce(env):
+    """Rank 0 runs DDP's gradient all-reduce; rank 1, one of its own of the same size and dtype."""
+    set_seed(0)
+    model = DDP(nn.Linear(4, 1))  # one bucket of 5 float32 gradients
+    if env.rank == 0:
+        model(torch.ones(2, 4)).sum().backward()  # every gradient is 2
+        return [p.grad for p in model.parameters()]
+    unrelated = torch.full((5,), 100.0)
+    torch.distributed.all_reduce(unrelated)
+    return [unrelated]
+
+
+def test_collectives_pair_up_by_order_so_a_mismatch_of_the_same_size_goes_unnoticed():
+    rank_0, rank_1 = run_on_ranks(gradients_against_an_unrelated_all_reduce, 2, timeout=60)
+    # DDP divides rank 0's gradients by the world size (2 / 2) and sums them with rank 1's unrelated 100s.
+    assert all(torch.equal(grad, torch.full_like(grad, 2 / 2 + 100)) for grad in rank_0)
+    assert torch.equal(rank_1[0], torch.full((5,), 100 + 2 / 2))
+
+
+def test_without_join_uneven_inputs_pair_unrelated_collectives_and_fail():
+    from common.demos import train_on_uneven_inputs
+
+    # Rank 1 runs out of batches and calls replicas_in_sync, whose all-reduce gloo pairs with rank 0's gradient
+    # all-reduce. The sizes differ: gloo aborts rank 0, and rank 1 loses its peer. An error within seconds, as
+    # soon as rank 1 gets there: a RuntimeError, not the harness's TimeoutError at the deadline. The deadline is
+    # generous only so that a busy machine, slow to start the processes, cannot turn it into a TimeoutError.
+    # Either rank 1's error comes back, or the harness sees rank 0 killed by SIGABRT (-6) before rank 1 reports.
+    with pytest.raises(RuntimeError, match=r"Connection reset by peer|non-zero codes \{0: -6"):
+        run_on_ranks(train_on_uneven_inputs, 2, False, timeout=60)
+
+
+def test_join_lets_each_rank_run_its_own_number_of_steps_and_keeps_the_replicas_identical():
+    from common.demos import train_on_uneven_inputs, uneven_batches
+
+    ranks = run_on_ranks(train_on_uneven_inputs, 2, True, timeout=30)
+    assert [rank["steps"] for rank in ranks] == [4, 3]
+    assert [rank["in_sync"] for rank in ranks] == [True, True]
+    # The reference: three steps on both ranks' batches, then one on rank 0's alone. The joined rank adds zeros
+    # to the all-reduce and DDP still divides by the initial world size, 2: that step uses half rank 0's gradient.
+    set_seed(0)
+    model = LeNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for rank_0, rank_1 in zip(uneven_batches(0), uneven_batches(1) + [None]):
+        optimizer.zero_grad()
+        losses = [F.cross_entropy(model(X), y) for X, y in filter(None, (rank_0, rank_1))]
+        (sum(losses) / 2).backward()  # / 2 also when rank 1 has no batch left
+        optimizer.step()
+    for rank in ranks:
+        torch.testing.assert_close(rank["params"], [p.detach() for p in model.parameters()])
