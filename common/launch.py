@@ -52,8 +52,14 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 60.0):
 
         # The earliest failure is the cause; later ones are usually other ranks losing their peer.
         errors = sorted(tmp.glob("rank*.error"), key=lambda path: path.stat().st_mtime_ns)
+        # A rank killed by a signal (an abort inside a backend) writes no error file: name it too, or the
+        # first file would look like the cause when it is only a peer losing its connection.
+        silent = {rank: process.exitcode for rank, process in enumerate(processes)
+                  if process.exitcode not in (0, None) and not (tmp / f"rank{rank}.error").exists()}
         if errors:
-            raise RuntimeError(f"{len(errors)} rank(s) failed; the first to fail:\n{errors[0].read_text()}")
+            killed = f"rank(s) that died without a Python error (exit codes): {silent}\n" if silent else ""
+            raise RuntimeError(f"{len(errors)} rank(s) failed; {killed}"
+                               f"the first Python error:\n{errors[0].read_text()}")
         if hung and time.monotonic() >= deadline:
             raise TimeoutError(f"rank(s) {hung} of {world_size} still running after {timeout:.0f} s: a hang?")
         failed = {rank: process.exitcode for rank, process in enumerate(processes) if process.exitcode != 0}

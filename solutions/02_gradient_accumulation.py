@@ -63,7 +63,8 @@ def train(args, env):
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     # Linear warm-up: lr * 1/w, 2/w, ... up to lr after w optimizer steps, then constant.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
 
     clock = EpochClock(env, args.epochs)
     batches_per_epoch = min(len(train_iter), args.max_steps or len(train_iter))

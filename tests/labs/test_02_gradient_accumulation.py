@@ -47,7 +47,8 @@ def accumulate(env, path, accum_steps, micro_batches, clip_grad_norm):
     batches = rank_micro_batches(X, y, env.rank, env.world_size)
     loss_sum, count, steps = lab.train_one_epoch(net, batches, optimizer, scheduler, accum_steps, env.device,
                                                  num_batches=len(batches), clip_grad_norm=clip_grad_norm)
-    sends = [after - before for before, after in zip(sent_before_micro_step, sent_before_micro_step[1:] + [counter.calls])]
+    sends = [after - before
+             for before, after in zip(sent_before_micro_step, sent_before_micro_step[1:] + [counter.calls])]
     return {"params": [p.detach() for p in net.parameters()], "steps": steps, "samples": count,
             "loss_sum": float(loss_sum), "sends": sends}
 
