@@ -23,7 +23,7 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor):
         tensor = tensor.clone()
-        dist.all_reduce(tensor)  # SUM: gloo has no AVG
+        dist.all_reduce(tensor)  # SUM
         return tensor
 
     @staticmethod

@@ -90,7 +90,7 @@ def all_reduce_gradients(model: nn.Module, all_reduce=dist.all_reduce) -> None:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     bucket = torch.cat([g.reshape(-1) for g in grads])
     all_reduce(bucket)
-    bucket /= dist.get_world_size()  # gloo has no AVG: sum, then divide
+    bucket /= dist.get_world_size()  # sum, then divide: any backend, any version
     offset = 0
     for g in grads:
         g.copy_(bucket[offset: offset + g.numel()].view_as(g))  # in place: the optimizer holds these tensors

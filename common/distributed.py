@@ -9,7 +9,8 @@ variables; ``setup_distributed`` reads them, joins the process group and picks t
     finally:
         teardown_distributed()          # on the error path too, so no rank is left waiting
 
-gloo has no ``ReduceOp.AVG``, so every mean here is a SUM followed by a division.
+Every mean here is a SUM followed by a division: a mean over samples needs the sums anyway, and it works on
+every backend and version (gloo had no ``ReduceOp.AVG`` until recent releases; 2.14 has it).
 """
 
 import os
@@ -186,7 +187,7 @@ def all_reduce_sum(values, device: torch.device | None = None) -> torch.Tensor:
 
 
 def all_reduce_mean(values, device: torch.device | None = None) -> torch.Tensor:
-    """Mean over ranks of a per-rank number or tensor: SUM, then divide by the world size (gloo has no AVG)."""
+    """Mean over ranks of a per-rank number or tensor: SUM, then divide by the world size."""
     return all_reduce_sum(values, device) / get_world_size()
 
 

@@ -50,7 +50,7 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 def all_reduce_gradients(model: torch.nn.Module, all_reduce=dist.all_reduce) -> None:
     """Average every parameter's gradient over ranks with ONE ``all_reduce`` call on one flat bucket.
 
-    Flatten all ``p.grad`` into one tensor, all-reduce it, divide by the world size (gloo has no AVG), and copy
+    Flatten all ``p.grad`` into one tensor, all-reduce it, divide by the world size, and copy
     the slices back into the ``p.grad`` tensors in place.
     """
     # TODO: implement one-bucket gradient averaging
