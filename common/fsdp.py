@@ -1,0 +1,250 @@
+"""Sharded data parallelism: FSDP2 applied to a model, and the sharded checkpoints of such a run.
+
+Lesson 06 builds this. The order matters, as in torchtitan's ``apply_fsdp``:
+
+    mesh = make_mesh(env)                            # a 1-D DeviceMesh over all ranks
+    apply_fsdp(model, mesh, reshard_after_forward=True)   # every block, then the root
+    optimizer = torch.optim.Adam(model.parameters())  # AFTER sharding: it must see the DTensor shards
+
+``fully_shard`` replaces each parameter by a DTensor that holds 1/N of it (rows split along dim 0) on each
+rank. In forward and backward it all-gathers one block's parameters just before that block runs, and in
+backward it reduce-scatters the gradients, so each rank keeps only the gradient of its own shard, averaged
+over ranks.
+
+Checkpoints go through ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards, in parallel,
+and the saved plan records which slice of which tensor each file holds, so a run at another world size can
+load it (DCP reshards on load). ``export_full_state_dict`` gathers a plain, unsharded ``state_dict`` for a
+model without any wrapper.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common.checkpoint import atomic_write
+from common.distributed import is_main
+from common.memory import local_bytes, training_state_bytes
+from common.metrics import reset_peak_memory
+from common.models import DeepMLP
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+STRATEGIES = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full")  # what measure_model_state compares
+
+
+def make_mesh(env) -> DeviceMesh:
+    """A 1-D ``DeviceMesh`` over every rank of the process group, on this rank's device type (cuda or cpu).
+
+    A mesh names the ranks that shard among themselves; a 2-D mesh (replicate x shard) would give HSDP.
+    """
+    return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
+
+
+def mixed_precision_policy(precision: str = "fp32") -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``precision`` ``fp32`` or ``bf16``.
+
+    bf16: the all-gathered parameters, hence the forward and backward compute, are bf16; the gradients are
+    reduce-scattered in fp32 (``reduce_dtype``), and the sharded parameters, gradients and optimizer states
+    stay fp32. fp32: the default policy, which changes nothing.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}")
+    dtype = PRECISIONS[precision]
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True,
+               mp_policy: MixedPrecisionPolicy | None = None, offload_policy=None) -> nn.Module:
+    """Shard ``model`` in place with FSDP2: ``fully_shard`` on each of ``model.blocks``, then on the model.
+
+    Each block becomes one communication unit (one all-gather in forward, one reduce-scatter in backward); the
+    root call takes the remaining parameters (stem, head). Bottom-up order is required: the root call skips
+    parameters that an inner call already owns. ``reshard_after_forward=True`` frees each block's gathered
+    parameters after its forward and gathers them again in backward (ZeRO-3); ``False`` keeps them until
+    backward (ZeRO-2-like: more memory, one all-gather fewer). Returns the model, now an ``FSDPModule``.
+    """
+    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        options["offload_policy"] = offload_policy
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def force_sum_reduction(model: nn.Module) -> None:
+    """Make every FSDP2 unit of ``model`` reduce gradients with SUM and then divide by N itself.
+
+    By default FSDP2 reduce-scatters fp32 and bf16 gradients with ``ReduceOp.AVG`` and trusts the backend to
+    divide. gloo's reduce-scatter once ignored AVG and summed (pytorch/pytorch#162338): gradients N times too
+    large, silently. ``set_force_sum_reduction_for_comms`` is FSDP2's switch around that; it acts on one unit,
+    so this calls it on each. Measured in PyTorch 2.14.1: both ways give DDP's gradients on gloo.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered (unsharded) parameter of an FSDP2 model, keeping only the shards; else do nothing.
+
+    With ``reshard_after_forward=False`` a forward leaves each block's parameters gathered until a backward
+    reshards them. An evaluation runs forwards without a backward, so after it the whole model stays gathered
+    on every rank (DDP's memory) until this is called or the next backward runs.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def full_tensor(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole tensor: a DTensor's shards all-gathered (a collective: call on every rank); others as they are."""
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    return tensor
+
+
+def full_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter of ``model`` whole, detached; sharded ones are gathered (call on every rank)."""
+    return [full_tensor(p.detach()) for p in model.parameters()]
+
+
+def full_gradients(model: nn.Module) -> list[torch.Tensor | None]:
+    """Every parameter's gradient whole; sharded ones are gathered (call on every rank)."""
+    return [full_tensor(p.grad) for p in model.parameters()]
+
+
+def parameters_in_sync(model: nn.Module) -> bool:
+    """True when every rank sees the same full parameters; for plain, DDP and FSDP2 models alike.
+
+    ``common.distributed.replicas_in_sync`` reads ``p`` directly, which for a DTensor is only this rank's
+    shard: the shards differ by design. This gathers each parameter first and then compares across ranks
+    (element-wise MAX and MIN), which catches replicated parameters that drifted apart.
+    """
+    flat = torch.cat([p.reshape(-1) for p in full_parameters(model)]).double()
+    if not dist.is_initialized():
+        return True
+    highest, lowest = flat.clone(), flat.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    return bool(torch.equal(highest, lowest))
+
+
+def checkpoint_path(checkpoint_dir, epoch: int) -> Path:
+    """Where the sharded checkpoint taken after ``epoch`` lives: a folder, one file per rank plus ``.metadata``."""
+    return Path(checkpoint_dir) / f"epoch-{epoch:04d}"
+
+
+def latest_checkpoint(checkpoint_dir) -> Path | None:
+    """The newest complete checkpoint folder in ``checkpoint_dir``, or ``None``."""
+    found = sorted(path for path in Path(checkpoint_dir).glob("epoch-[0-9][0-9][0-9][0-9]")
+                   if (path / ".metadata").exists())
+    return found[-1] if found else None
+
+
+def save_sharded(path, model: nn.Module, optimizer: torch.optim.Optimizer, **progress) -> None:
+    """Save model and optimizer as DCP shards in folder ``path``, plus numbers in ``progress`` (epoch, step).
+
+    Call on every rank: each writes the shards it holds. The folder is written under a temporary name and
+    renamed by global rank 0 once every rank has finished, so a crash never leaves a half checkpoint under
+    the real name. All ranks must see the same file system (one machine, or shared storage).
+    """
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    if is_main():
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # sharded: DTensors stay DTensors
+    dcp.save({"model": model_state, "optimizer": optimizer_state, "progress": progress}, checkpoint_id=partial)
+    dist.barrier()  # every rank has written its files before the rename
+    if is_main():
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(partial, path)
+    dist.barrier()
+
+
+def load_sharded(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a checkpoint written by ``save_sharded`` into ``model`` (and ``optimizer``); return its progress.
+
+    The world size may differ from the saving run's: each rank asks DCP for the slices its own shards cover,
+    whoever wrote them. Call on every rank, after sharding the model and building the optimizer.
+    """
+    optimizers = [optimizer] if optimizer is not None else []
+    model_state, optimizer_state = get_state_dict(model, optimizers)  # the layout to fill, already sharded
+    # DCP fills the entries of the dict it is given: ask for every number the checkpoint holds under "progress".
+    saved = dcp.FileSystemReader(Path(path)).read_metadata().state_dict_metadata
+    progress = {key.split(".", 1)[1]: None for key in saved if key.startswith("progress.")}
+    state = {"model": model_state, "progress": progress}
+    if optimizer is not None:
+        state["optimizer"] = optimizer_state
+    dcp.load(state, checkpoint_id=Path(path))
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
+    return state["progress"]
+
+
+def export_full_state_dict(path, model: nn.Module) -> None:
+    """Gather the whole model into one plain ``state_dict`` and have global rank 0 save it to ``path``.
+
+    The result loads into the unwrapped model class with ``load_state_dict`` and no ``torch.distributed`` at
+    all. The gathering is a collective: call on every rank, never inside ``if rank == 0``. ``cpu_offload``
+    moves each gathered tensor to CPU memory, on rank 0 only, so no GPU ever holds the whole model.
+    """
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if is_main():
+        atomic_write(path, lambda file: torch.save(state, file))
+    dist.barrier()
+
+
+def measure_model_state(env, strategy: str, width: int = 512, depth: int = 4, batch_size: int = 32) -> dict:
+    """Apply ``strategy`` to a ``DeepMLP``, take one Adam step, and return what this rank holds, in bytes.
+
+    ``strategy``: ``ddp`` (every rank a replica, ZeRO stage 0), ``zero1`` (DDP with
+    ``ZeroRedundancyOptimizer``: optimizer states partitioned), ``fsdp-grad-op`` and ``fsdp-full`` (FSDP2 with
+    ``reshard_after_forward`` False and True). The result has ``training_state_bytes``'s keys, plus
+    ``after_forward`` (parameter bytes held between the forward and the backward) and, on a GPU,
+    ``cuda_peak_mib`` (``torch.cuda.max_memory_allocated`` over the step, activations included). Call on every
+    rank of a process group, for example through ``common.launch.run_on_ranks``.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
+    reset_peak_memory(env.device)
+    torch.manual_seed(0)
+    model = DeepMLP(width=width, depth=depth).to(env.device)
+    if strategy.startswith("fsdp"):
+        net = apply_fsdp(model, make_mesh(env), reshard_after_forward=strategy == "fsdp-full")
+    else:
+        net = DDP(model, device_ids=[env.device] if env.device.type == "cuda" else None)
+    if strategy == "zero1":
+        optimizer = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam)
+    else:
+        optimizer = torch.optim.Adam(net.parameters())
+    torch.manual_seed(env.rank)
+    X = torch.randn(batch_size, *DeepMLP.input_shape, device=env.device)
+    y = torch.randint(0, 10, (batch_size,), device=env.device)
+    loss = F.cross_entropy(net(X), y)
+    after_forward = local_bytes(net.parameters())  # gathered blocks count whole, resharded ones as shards
+    loss.backward()
+    optimizer.step()
+    result = {**training_state_bytes(net, optimizer), "after_forward": after_forward}
+    if env.device.type == "cuda":
+        result["cuda_peak_mib"] = torch.cuda.max_memory_allocated(env.device) / 2**20
+    return result
+
+
+def measure_strategies(env, strategies=STRATEGIES) -> dict:
+    """``measure_model_state`` for each of ``strategies`` in turn, in one process group: ``{strategy: bytes}``."""
+    return {strategy: measure_model_state(env, strategy) for strategy in strategies}

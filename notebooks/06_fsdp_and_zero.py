@@ -1,0 +1,153 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 06: FSDP2 and ZeRO
+#
+# The companion notebook of `lessons/06_fsdp_and_zero.md`: the memory arithmetic first, then what each rank
+# really holds under DDP, ZeRO-1 and FSDP2 at world sizes 1, 2 and 4, then FSDP2 training against DDP, and a
+# sharded checkpoint saved by 2 processes and resumed by another number of them. The multi-process work runs
+# through `common.launch.run_on_ranks` and `torchrun` subprocesses: nothing here is defined in the notebook and
+# run by a spawned process.
+
+# %% tags=["parameters"]
+import os
+
+QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
+WORLD_SIZES = (2,) if QUICK else (1, 2, 4)
+MAX_STEPS = 2 if QUICK else None  # batches per epoch; None: the whole epoch
+RESUME_NPROC = 1 if QUICK else 4  # the world size that resumes the 2-process checkpoint
+
+# %%
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from common.data import load_data
+from common.fsdp import STRATEGIES, measure_strategies
+from common.launch import run_on_ranks
+from common.memory import bytes_per_parameter, zero_bytes_per_rank
+from common.models import DeepMLP
+
+REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def launch(*args, nproc=2):
+    """Run a repository script under torchrun and return its standard output (the warnings go to stderr)."""
+    run = subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *map(str, args)],
+                         capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
+# %% [markdown]
+# ## The arithmetic: 16 bytes per parameter
+#
+# Adam keeps, per parameter, its value, its gradient and two running moments. In fp32: 4 + 4 + 8. In the ZeRO
+# paper's mixed precision: 2 + 2 for the fp16 value and gradient, and 12 in the optimizer (an fp32 master copy and
+# the two fp32 moments). DDP replicates all of it on every rank; each ZeRO stage divides one more part by N.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print("bytes per parameter:", {precision: bytes_per_parameter(precision) for precision in ("fp32", "mixed")})
+num_parameters = sum(p.numel() for p in DeepMLP().parameters())
+for name, psi, n, precision, unit in [("DeepMLP", num_parameters, 4, "fp32", 1e6),
+                                      ("ZeRO paper, 7.5 B", 7.5e9, 64, "mixed", 1e9),
+                                      ("LLaMA-70B", 70e9, 4, "mixed", 1e9)]:
+    row = "  ".join(f"stage {stage}: {zero_bytes_per_rank(psi, n, stage, precision)['total'] / unit:8.2f}"
+                    for stage in range(4))
+    print(f"{name:>18} ({precision}, N = {n:2d}), {'MB' if unit == 1e6 else 'GB'} per rank: {row}")
+
+# %% [markdown]
+# ## What each rank really holds
+#
+# `common.fsdp.measure_model_state` builds the default `DeepMLP`, applies a strategy, takes one Adam step and
+# counts the bytes of this rank's parameters, gradients and optimizer states (for a DTensor: its local shard
+# only), plus the parameter bytes held between forward and backward. The last column is the arithmetic:
+# stage 0 for DDP, 1 for ZeRO-1, 3 for both FSDP2 modes (at rest they shard alike).
+
+# %%
+PREDICTED_STAGE = {"ddp": 0, "zero1": 1, "fsdp-grad-op": 3, "fsdp-full": 3}
+measured = {world_size: run_on_ranks(measure_strategies, world_size, timeout=180) for world_size in WORLD_SIZES}
+print(f"DeepMLP, {num_parameters:,} parameters, Adam fp32, gloo on CPU: MB held per rank\n"
+      f"{'N':>2} {'strategy':>12} | {'parameters':>10} {'gradients':>9} {'optimizer':>9} {'total':>6} (rank 0) | "
+      f"{'largest total':>13} {'predicted':>9} | {'after forward':>13}")
+for world_size, ranks in measured.items():
+    for strategy in STRATEGIES:
+        rank0, largest = ranks[0][strategy], max(rank[strategy]["total"] for rank in ranks)
+        predicted = zero_bytes_per_rank(num_parameters, world_size, PREDICTED_STAGE[strategy])["total"]
+        print(f"{world_size:>2} {strategy:>12} | {rank0['parameters'] / 1e6:10.2f} {rank0['gradients'] / 1e6:9.2f} "
+              f"{rank0['optimizer'] / 1e6:9.2f} {rank0['total'] / 1e6:6.2f}          | {largest / 1e6:13.2f} "
+              f"{predicted / 1e6:9.2f} | {rank0['after_forward'] / 1e6:13.2f}")
+
+# %% [markdown]
+# FSDP2 holds 1/N of everything, as stage 3 predicts, to within the rows that do not divide evenly. ZeRO-1 keeps
+# whole parameters and gradients and splits only the optimizer states, and it splits them by *whole tensors*
+# (each parameter's states live on one rank): the ranks' totals straddle the prediction, and a rank's share
+# depends on which tensors it drew (with 4 ranks, one of them holds two 512 x 512 block weights' states).
+# `fsdp-grad-op` shards like `fsdp-full` between steps, but its "after forward" column shows the price: every
+# block stays gathered from its forward to its backward. Activations and temporary buffers are not counted
+# here; on a GPU `torch.cuda.max_memory_allocated` would add them (`measure_model_state` reports it there). No
+# GPU figures have been measured for this notebook.
+#
+# ## FSDP2 trains like DDP
+#
+# The same script, the same seed and data: `--sharding none` is DDP, `--sharding full` is FSDP2. The losses agree
+# to the printed digits (`tests/test_fsdp.py` checks the parameters after several Adam steps, and the gradients).
+# The full run also saves a sharded checkpoint after its epoch.
+
+# %%
+checkpoints = Path("runs/06_checkpoints")  # relative to the repository, where the scripts run
+shutil.rmtree(REPO / checkpoints, ignore_errors=True)
+steps = ["--max-steps", MAX_STEPS] if MAX_STEPS else []
+for sharding in ("none", "full"):
+    extra = ["--checkpoint-dir", checkpoints] if sharding == "full" else []
+    output = launch("solutions/03_fsdp.py", "--dataset", "digits", "--epochs", 1, "--sharding", sharding,
+                    *steps, *extra)
+    print("\n".join(line for line in output.splitlines() if "epoch 1/1" in line or "rank 0" in line
+                     or "sharding" in line))
+
+# %% [markdown]
+# ## A checkpoint from 2 processes, resumed by another number of them
+#
+# Each of the 2 ranks wrote its own shard file; `.metadata` records which slice of which tensor each holds.
+# A run at another world size asks DCP for the slices its own shards cover.
+
+# %%
+print(sorted(path.name for path in (REPO / checkpoints / "epoch-0001").iterdir()))
+output = launch("solutions/03_fsdp.py", "--dataset", "digits", "--epochs", 2, *steps, "--checkpoint-dir", checkpoints,
+                "--resume", nproc=RESUME_NPROC)
+print("\n".join(line for line in output.splitlines()
+                if "resumed" in line or "epoch 2/2" in line or "process(es)" in line))
+
+# %% [markdown]
+# ## Export: one plain state dict
+#
+# At the end the script gathered the whole model into `model_full.pt` (`get_model_state_dict` with
+# `full_state_dict=True, cpu_offload=True`, called on every rank, written by rank 0). It loads into the bare
+# model class, with no process group at all:
+
+# %%
+model = DeepMLP()
+model.load_state_dict(torch.load(REPO / checkpoints / "model_full.pt", weights_only=True))
+test = load_data("digits", input_shape=DeepMLP.input_shape).test
+X, y = test.tensors
+with torch.no_grad():
+    accuracy = (model(X).argmax(dim=1) == y).float().mean().item()
+print(f"plain DeepMLP from model_full.pt: test accuracy {accuracy:.2%} on {len(y)} digits")

@@ -1,0 +1,131 @@
+"""Lab 03: shard a model with FSDP2 and checkpoint it in shards with DCP.
+
+Runs against solutions/03_fsdp.py; with LAB_TARGET=labs, against your labs/03_fsdp.py:
+
+    LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_03_fsdp.py
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from common.distributed import set_seed
+from common.fsdp import full_parameters, full_tensor
+from common.launch import run_on_ranks
+from common.memory import local_bytes
+from common.models import DeepMLP
+from tests.conftest import PYTHON, lab_path, load_script, run_command, torchrun
+
+LAB = "03_fsdp"
+WIDTH, DEPTH, STEPS, LR = 37, 2, 3, 0.01
+
+
+def build(lab, env, sharding, precision="fp32"):
+    set_seed(0)
+    net = lab.shard_model(DeepMLP(width=WIDTH, depth=DEPTH), env, sharding, precision)
+    return net, torch.optim.Adam(net.parameters(), lr=LR)
+
+
+def train(net, optimizer, env):
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        X, y = torch.randn(8, 1, 28, 28, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+        optimizer.zero_grad()
+        F.cross_entropy(net(X[env.rank::env.world_size]), y[env.rank::env.world_size]).backward()
+        optimizer.step()
+
+
+def shard_train_and_checkpoint(env, path, checkpoint_dir):
+    lab = load_script(path)
+    results, X = {}, torch.randn(4, 1, 28, 28)
+    for sharding in ("none", "full", "grad-op"):
+        net, optimizer = build(lab, env, sharding)
+        if sharding != "none":
+            results[f"{sharding}_dtensors"] = all(isinstance(p, DTensor) for p in net.parameters())
+            results[f"{sharding}_whole_bytes"] = sum(p.numel() * p.element_size() for p in net.parameters())
+            loss = net(X).sum()  # between forward and backward: what does this rank hold of the parameters?
+            results[f"{sharding}_after_forward"] = local_bytes(net.parameters())
+            loss.backward()
+        train(net, optimizer, env)
+        results[sharding] = full_parameters(net)
+    net, _ = build(lab, env, "full", "bf16")
+    results["bf16_output"] = str(net(X).dtype)
+
+    net, optimizer = build(lab, env, "full")
+    train(net, optimizer, env)
+    lab.save_checkpoint(checkpoint_dir / "epoch-0001", net, optimizer, 1, STEPS)
+    results["saved"] = full_parameters(net) + [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()]
+    fresh, fresh_optimizer = build(lab, env, "full")
+    results["progress"] = lab.load_checkpoint(checkpoint_dir / "epoch-0001", fresh, fresh_optimizer)
+    results["loaded"] = (full_parameters(fresh)
+                         + [full_tensor(fresh_optimizer.state[p]["exp_avg"]) for p in fresh.parameters()])
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    checkpoint_dir = tmp_path_factory.mktemp("lab03")
+    return checkpoint_dir, run_on_ranks(shard_train_and_checkpoint, 2, str(lab_path(LAB)), checkpoint_dir, timeout=120)
+
+
+def test_every_parameter_becomes_a_dtensor_shard_and_training_equals_ddp(two_ranks):
+    for rank in two_ranks[1]:
+        assert rank["full_dtensors"] and rank["grad-op_dtensors"]
+        torch.testing.assert_close(rank["full"], rank["none"])
+        torch.testing.assert_close(rank["grad-op"], rank["none"])
+
+
+def test_full_reshards_after_forward_and_grad_op_keeps_the_gathered_blocks(two_ranks):
+    for rank in two_ranks[1]:
+        whole = rank["full_whole_bytes"]
+        assert rank["full_after_forward"] <= 0.55 * whole  # only this rank's half is held
+        assert rank["grad-op_after_forward"] == whole  # every block still gathered, waiting for backward
+
+
+def test_bf16_precision_computes_in_bf16(two_ranks):
+    assert all(rank["bf16_output"] == "torch.bfloat16" for rank in two_ranks[1])
+
+
+def test_the_sharded_checkpoint_holds_one_file_per_rank_and_loads_back(two_ranks):
+    checkpoint_dir, ranks = two_ranks
+    folder = checkpoint_dir / "epoch-0001"
+    assert (folder / ".metadata").exists() and len(list(folder.glob("*.distcp"))) == 2
+    assert not list(checkpoint_dir.glob("*.partial"))
+    for rank in ranks:
+        assert rank["progress"] == {"epoch": 1, "step": STEPS}
+        for loaded, saved in zip(rank["loaded"], rank["saved"]):
+            assert torch.equal(loaded, saved)
+
+
+def test_the_script_saves_on_two_ranks_and_resumes_on_one(tmp_path):
+    checkpoints, first, second = tmp_path / "checkpoints", tmp_path / "first.json", tmp_path / "second.json"
+    run = torchrun(lab_path(LAB), "--dataset", "digits", "--epochs", "1", "--checkpoint-dir", checkpoints,
+                   "--metrics-file", first, nproc=2, timeout=180)
+    assert run.returncode == 0, run.output
+    metrics = json.loads(first.read_text())
+    assert metrics["parameters_in_sync"] is True and metrics["world_size"] == 2
+    for rank in metrics["memory_per_rank"]:  # each rank holds about half of each kind of model state
+        for kind in ("parameters", "gradients", "optimizer"):
+            assert rank[kind] <= 1.05 * metrics["predicted_bytes_per_rank"][kind]
+    assert len(list((checkpoints / "epoch-0001").glob("*.distcp"))) == 2
+
+    run = run_command([PYTHON, lab_path(LAB), "--dataset", "digits", "--epochs", "2", "--checkpoint-dir", checkpoints,
+                       "--resume", "--metrics-file", second], timeout=180,
+                      env_extra={"OMP_NUM_THREADS": "1"})  # as torchrun sets it: 2 cores shared with other tests
+    assert run.returncode == 0, run.output
+    assert "resumed from" in run.stdout
+    metrics = json.loads(second.read_text())
+    assert metrics["epochs_run"] == [2] and metrics["world_size"] == 1
+    assert metrics["final_test_accuracy"] >= 0.7
+    plain = DeepMLP()  # the exported whole model needs no torch.distributed to load
+    plain.load_state_dict(torch.load(checkpoints / "model_full.pt", weights_only=True))
+
+
+def test_bf16_with_ddp_stops_with_a_message():
+    run = run_command([PYTHON, lab_path(LAB), "--dataset", "digits", "--sharding", "none", "--precision", "bf16"],
+                      timeout=60)
+    assert run.returncode != 0
+    assert "MixedPrecisionPolicy" in run.stderr and "Traceback" not in run.output

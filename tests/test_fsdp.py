@@ -1,0 +1,211 @@
+"""FSDP2 and ZeRO on CPU with gloo: the same numbers as DDP, 1/N of the memory, and checkpoints that reshard.
+
+Three process groups in all (world sizes 2, 1 and 4), each run once for the whole module: the world-size-2 run
+trains DDP, FSDP2 (both reshard modes) and ZeRO-1 side by side and saves a sharded checkpoint; the others load
+that checkpoint and measure what each rank holds.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common.fsdp import (apply_fsdp, export_full_state_dict, force_sum_reduction, full_gradients, full_parameters,
+                         full_tensor, load_sharded, make_mesh, parameters_in_sync, save_sharded)
+from common.launch import run_on_ranks
+from common.memory import training_state_bytes, zero_bytes_per_rank
+from common.models import DeepMLP
+
+# 37 rows: dim 0 of every block weight divides by neither 2 nor 4, so the shards are uneven (19 + 18; 10+10+10+7)
+WIDTH, DEPTH, STEPS, BATCH, LR = 37, 2, 4, 12, 0.01
+
+
+def odd_model():
+    torch.manual_seed(0)
+    return DeepMLP(width=WIDTH, depth=DEPTH)
+
+
+def step_batches(env):
+    """STEPS global batches of BATCH samples; this rank's share of each (every world size sees the same data)."""
+    generator = torch.Generator().manual_seed(1)
+    X = torch.randn(STEPS, BATCH, 1, 28, 28, generator=generator)
+    y = torch.randint(0, 10, (STEPS, BATCH), generator=generator)
+    return [(X[s][env.rank::env.world_size], y[s][env.rank::env.world_size]) for s in range(STEPS)]
+
+
+def train(net, optimizer, batches):
+    """Adam steps on the batches; returns the gradients of the first step, whole."""
+    first_gradients = None
+    for X, y in batches:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(net(X), y).backward()
+        if first_gradients is None:
+            first_gradients = full_gradients(net)
+        optimizer.step()
+    return first_gradients
+
+
+def model_state_of_the_big_model(env):
+    """What each rank holds of the default DeepMLP under FSDP2 after one Adam step: bytes by kind."""
+    torch.manual_seed(0)
+    net = apply_fsdp(DeepMLP(), make_mesh(env))
+    optimizer = torch.optim.Adam(net.parameters())
+    X, y = step_batches(env)[0]
+    F.cross_entropy(net(X), y).backward()
+    optimizer.step()
+    return training_state_bytes(net, optimizer)
+
+
+def side_by_side(env, checkpoint_dir):
+    # The collective under FSDP2's fp32 gradients: reduce-scatter with AVG. gloo's once summed (pytorch#162338).
+    averaged = torch.empty(2)
+    dist.reduce_scatter_single(averaged, torch.full((2 * env.world_size,), float(env.rank + 1)), op=dist.ReduceOp.AVG)
+    results = {"reduce_scatter_avg": averaged}
+    ddp = DDP(odd_model())
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=LR)
+    results["ddp_gradients"] = train(ddp, optimizer, step_batches(env))
+    results["ddp"] = full_parameters(ddp)
+
+    for name, reshard in (("full", True), ("grad_op", False), ("force_sum", True), ("offload", True)):
+        # CPU offload keeps shards in CPU memory; pinning that memory needs a CUDA driver, so not here
+        offload = CPUOffloadPolicy(pin_memory=False) if name == "offload" else None
+        net = apply_fsdp(odd_model(), make_mesh(env), reshard_after_forward=reshard, offload_policy=offload)
+        if name == "force_sum":  # the documented way around a broken AVG: reduce with SUM, then divide by N
+            force_sum_reduction(net)
+        optimizer = torch.optim.Adam(net.parameters(), lr=LR)  # after sharding: Adam's states are shards too
+        results[f"{name}_gradients"] = train(net, optimizer, step_batches(env))
+        results[name] = full_parameters(net)
+        results[f"{name}_in_sync"] = parameters_in_sync(net)
+    weight = net.blocks[0][0].weight
+    results["placements"] = [repr(placement) for placement in weight.placements]
+    results["local_rows"] = weight.to_local().shape[0]
+    results["is_dtensor"] = isinstance(weight, DTensor) and weight.placements == (Shard(0),)
+
+    # the fully sharded run's checkpoint, for the other world sizes to load, and its whole-model export
+    net = apply_fsdp(odd_model(), make_mesh(env))
+    optimizer = torch.optim.Adam(net.parameters(), lr=LR)
+    train(net, optimizer, step_batches(env))
+    save_sharded(checkpoint_dir / "sharded", net, optimizer, epoch=3, step=STEPS)
+    export_full_state_dict(checkpoint_dir / "full.pt", net)
+    results["saved"] = full_parameters(net)
+    results["saved_exp_avg"] = [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()]
+
+    zero_net = DDP(odd_model())
+    zero = ZeroRedundancyOptimizer(zero_net.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
+    train(zero_net, zero, step_batches(env))
+    results["zero1"] = full_parameters(zero_net)
+
+    torch.manual_seed(0)
+    big = DDP(DeepMLP())
+    zero = ZeroRedundancyOptimizer(big.parameters(), optimizer_class=torch.optim.Adam)
+    X, y = step_batches(env)[0]
+    F.cross_entropy(big(X), y).backward()
+    zero.step()
+    results["zero1_bytes"] = training_state_bytes(big, zero)
+    results["fsdp_bytes"] = model_state_of_the_big_model(env)
+    return results
+
+
+def reload_and_measure(env, checkpoint_dir):
+    net = apply_fsdp(odd_model(), make_mesh(env))  # a fresh model: its own initial weights, no Adam state
+    optimizer = torch.optim.Adam(net.parameters(), lr=LR)
+    progress = load_sharded(checkpoint_dir / "sharded", net, optimizer)
+    return {"progress": progress, "parameters": full_parameters(net),
+            "exp_avg": [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()],
+            "fsdp_bytes": model_state_of_the_big_model(env)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint_dir):
+    return run_on_ranks(side_by_side, 2, checkpoint_dir, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reloaded(checkpoint_dir, two_ranks):
+    return {world_size: run_on_ranks(reload_and_measure, world_size, checkpoint_dir, timeout=120)
+            for world_size in (1, 4)}
+
+
+def test_fsdp2_parameters_are_row_shards_of_uneven_size(two_ranks):
+    assert [rank["local_rows"] for rank in two_ranks] == [19, 18]
+    assert all(rank["is_dtensor"] and rank["placements"] == ["Shard(dim=0)"] for rank in two_ranks)
+
+
+def test_gloo_reduce_scatter_with_avg_averages(two_ranks):
+    # ranks send 1s and 2s: the mean is 1.5 (a sum would be 3)
+    for rank in two_ranks:
+        torch.testing.assert_close(rank["reduce_scatter_avg"], torch.full((2,), 1.5))
+
+
+def test_fsdp2_gradients_are_averaged_over_ranks_like_ddp(two_ranks):
+    # A backend that summed instead of averaging would give exactly twice DDP's gradient here.
+    for rank in two_ranks:
+        for name in ("full", "grad_op", "force_sum", "offload"):
+            torch.testing.assert_close(rank[f"{name}_gradients"], rank["ddp_gradients"])
+
+
+def test_fsdp2_parameters_after_adam_steps_equal_ddp(two_ranks):
+    for rank in two_ranks:
+        torch.testing.assert_close(rank["full"], rank["ddp"])
+        torch.testing.assert_close(rank["grad_op"], rank["ddp"])
+        torch.testing.assert_close(rank["force_sum"], rank["ddp"])
+        torch.testing.assert_close(rank["offload"], rank["ddp"])
+        assert rank["full_in_sync"] and rank["grad_op_in_sync"]
+    assert not torch.equal(two_ranks[0]["ddp"][0], odd_model().stem[1].weight)  # the steps did move it
+
+
+def test_zero1_around_ddp_equals_ddp_with_plain_adam(two_ranks):
+    for rank in two_ranks:
+        torch.testing.assert_close(rank["zero1"], rank["ddp"])
+
+
+def test_a_checkpoint_saved_by_two_ranks_loads_on_one_and_on_four(two_ranks, reloaded):
+    saved = two_ranks[0]
+    for world_size, ranks in reloaded.items():
+        assert len(ranks) == world_size
+        for rank in ranks:
+            assert rank["progress"] == {"epoch": 3, "step": STEPS}
+            for loaded, expected in zip(rank["parameters"] + rank["exp_avg"], saved["saved"] + saved["saved_exp_avg"]):
+                assert torch.equal(loaded, expected)
+    assert not torch.equal(saved["saved"][0], odd_model().stem[1].weight)  # not just the shared initial weights
+
+
+def test_the_full_state_dict_loads_into_a_plain_module(checkpoint_dir, two_ranks):
+    plain = DeepMLP(width=WIDTH, depth=DEPTH)
+    plain.load_state_dict(torch.load(checkpoint_dir / "full.pt", weights_only=True))
+    torch.testing.assert_close([p.detach() for p in plain.parameters()], two_ranks[0]["saved"], rtol=0, atol=0)
+
+
+def test_each_rank_holds_one_nth_of_parameters_gradients_and_optimizer_state(two_ranks, reloaded):
+    measured = {1: reloaded[1], 2: two_ranks, 4: reloaded[4]}
+    whole = measured[1][0]["fsdp_bytes"]
+    num_parameters = sum(p.numel() for p in DeepMLP().parameters())
+    assert whole["parameters"] == num_parameters * 4
+    for world_size, ranks in measured.items():
+        predicted = zero_bytes_per_rank(num_parameters, world_size, stage=3)
+        for rank in ranks:
+            for kind in ("parameters", "gradients", "optimizer"):
+                assert rank["fsdp_bytes"][kind] <= 1.05 * whole[kind] / world_size, (world_size, kind, rank)
+                assert rank["fsdp_bytes"][kind] == pytest.approx(predicted[kind], rel=0.05)
+        # nothing lost, nothing replicated: the shards add up to the whole
+        for kind in ("parameters", "gradients"):
+            assert sum(rank["fsdp_bytes"][kind] for rank in ranks) == whole[kind]
+
+
+def test_zero1_splits_the_optimizer_state_by_whole_tensors(two_ranks, reloaded):
+    whole = reloaded[1][0]["fsdp_bytes"]
+    state = [rank["zero1_bytes"] for rank in two_ranks]
+    assert all(rank["parameters"] == whole["parameters"] and rank["gradients"] == whole["gradients"] for rank in state)
+    assert sum(rank["optimizer"] for rank in state) == whole["optimizer"]
+    # each tensor's state lives on one rank: a rank can exceed the even share by up to the largest tensor's state
+    largest = max(p.numel() for p in DeepMLP().parameters()) * 8
+    assert max(rank["optimizer"] for rank in state) <= whole["optimizer"] / 2 + largest
