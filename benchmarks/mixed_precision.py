@@ -1,0 +1,123 @@
+"""fp32 vs bf16 vs fp16: training speed and memory of one process, per precision.
+
+    python benchmarks/mixed_precision.py                        # SimpleCNN; batch 256 on a GPU, 64 on a CPU
+    python benchmarks/mixed_precision.py --precisions fp32 bf16 --batch-size 128 --steps 20
+
+Each row times ``--steps`` full training steps (autocast forward, scaled backward for fp16, SGD step) on one
+fixed random batch, after 2 untimed warm-up steps, and takes the median step. ``--rounds`` repeats the whole
+comparison, precisions taking turns, and each row reports its fastest round, as ``timeit`` does: on a shared
+machine other work can only slow a measurement down. Two memory figures:
+
+- "saved MiB": the tensors autograd keeps from the forward pass for the backward (activations, and autocast's
+  low-precision copies of the weights; not the parameters themselves). This is what mixed precision shrinks,
+  and it is the same on every device.
+- "peak MiB": on CUDA, ``torch.cuda.max_memory_allocated`` over the timed steps: every tensor, parameters,
+  gradients and optimizer state included. On a CPU, the peak resident memory of the process, Python and
+  PyTorch included, which cannot be reset: each precision therefore runs in a fresh process of its own.
+"""
+
+import argparse
+import multiprocessing
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common.cli import positive_int
+from common.metrics import memory_kind, peak_memory_mib, reset_peak_memory, synchronize
+from common.models import MODELS
+from common.precision import PRECISIONS, check_precision
+
+WARMUP_STEPS = 2
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", choices=list(MODELS), default="simplecnn")
+    parser.add_argument("--batch-size", type=positive_int, help="default: 256 on a GPU, 64 on a CPU")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed training steps per precision")
+    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
+    parser.add_argument("--rounds", type=positive_int, default=3, help="repeat the comparison, keep the fastest")
+    return parser.parse_args(argv)
+
+
+def saved_for_backward_mib(net, X, y, precision: str) -> float:
+    """MiB of the tensors one forward pass saves for backward, parameters excluded, each storage counted once."""
+    parameters = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast(device_type=X.device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32"):
+            F.cross_entropy(net(X), y)  # the graph is dropped unused: this measures, it does not train
+    return sum(saved.values()) / 2**20
+
+
+def measure(model_name: str, precision: str, batch_size: int, steps: int, device_name: str) -> dict:
+    """Time ``steps`` training steps in ``precision``; return samples/s and ms of the median step, and the memory."""
+    device = torch.device(device_name)
+    torch.manual_seed(0)
+    model_class = MODELS[model_name]
+    net = model_class().to(device)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    X = torch.randn(batch_size, *model_class.input_shape, device=device)
+    y = torch.randint(0, 10, (batch_size,), device=device)
+
+    def train_step():
+        with torch.autocast(device_type=device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32"):
+            loss = F.cross_entropy(net(X), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    saved_mib = saved_for_backward_mib(net, X, y, precision)
+    for _ in range(WARMUP_STEPS):  # first calls pick kernels and allocate the gradients and momentum buffers
+        train_step()
+    reset_peak_memory(device)
+    step_seconds = []
+    for _ in range(steps):
+        synchronize(device)  # each clock reading waits for the GPU: it times the work, not its queueing
+        start = time.perf_counter()
+        train_step()
+        synchronize(device)
+        step_seconds.append(time.perf_counter() - start)
+    seconds = statistics.median(step_seconds)
+    return {"precision": precision, "samples_per_second": batch_size / seconds, "ms_per_step": 1000 * seconds,
+            "saved_mib": saved_mib, "peak_mib": peak_memory_mib(device)}
+
+
+def main(args):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batch_size = args.batch_size or (256 if device.type == "cuda" else 64)
+    for precision in args.precisions:
+        check_precision(precision, device)  # a clear message now, not a silent fp32 row later
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"{args.model}, batch {batch_size}, median of {args.steps} steps after {WARMUP_STEPS} warm-up, best of "
+          f"{args.rounds} round(s), one process on {where}, PyTorch {torch.__version__}; peak = {memory_kind(device)}",
+          flush=True)
+    context = multiprocessing.get_context("spawn")
+    best = {}
+    for _ in range(args.rounds):
+        for precision in args.precisions:
+            with context.Pool(1) as pool:  # a fresh process per precision: its own peak memory, its own warm-up
+                row = pool.apply(measure, (args.model, precision, batch_size, args.steps, str(device)))
+            if precision not in best or row["ms_per_step"] < best[precision]["ms_per_step"]:
+                best[precision] = row
+    print(f"{'precision':>9} {'samples/s':>10} {'ms/step':>8} {'vs fp32':>7} {'saved MiB':>9} {'peak MiB':>8}")
+    for precision, row in best.items():
+        speedup = f"{row['samples_per_second'] / best['fp32']['samples_per_second']:.2f}x" if "fp32" in best else "-"
+        print(f"{precision:>9} {row['samples_per_second']:>10,.0f} {row['ms_per_step']:>8.1f} {speedup:>7} "
+              f"{row['saved_mib']:>9.1f} {row['peak_mib']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,140 @@
+"""Lab 04 (lesson 05): mixed precision under DDP, with gradient accumulation, clipping and fp16 loss scaling.
+
+YOUR TASK: fill in the TODO in ``train_one_epoch``: run the forward pass under ``torch.autocast`` in the
+precision asked for, and drive the ``torch.amp.GradScaler`` through accumulation and clipping: scale and
+backward on every micro-step, unscale_, clip, step and update once per optimizer step, and count the steps it
+skipped. Everything else (options, loaders, the scaler's creation, evaluation, metrics) is done for you. Check
+your work with
+
+    LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_04_mixed_precision.py
+
+``solutions/02_gradient_accumulation.py`` plus ``--precision``. The forward pass runs under
+``torch.autocast`` (bf16 or fp16 for matrix products and convolutions, fp32 for the rest); parameters, their
+gradients, DDP's allreduce and the optimizer stay in fp32. fp16 also scales the loss with
+``torch.amp.GradScaler``, so that small gradients do not underflow to zero: scale and backward on every
+micro-step, then unscale_, clip, step and update once per optimizer step.
+
+    # CPU, 2 processes: bf16 (runs on any CPU PyTorch supports), or fp16 with loss scaling
+    torchrun --standalone --nproc_per_node=2 solutions/04_mixed_precision.py --dataset digits --precision bf16
+    torchrun --standalone --nproc_per_node=2 solutions/04_mixed_precision.py --dataset digits --precision fp16 \
+        --batch-size 16 --grad-accum-steps 4 --clip-grad-norm 1.0
+
+    # 4 GPUs: bf16 on Ampere or newer, fp16 on any CUDA GPU
+    torchrun --standalone --nproc_per_node=4 solutions/04_mixed_precision.py --model simplecnn --dataset cifar10 \
+        --precision bf16
+    torchrun --standalone --nproc_per_node=4 solutions/04_mixed_precision.py --model simplecnn --dataset cifar10 \
+        --precision fp16 --clip-grad-norm 1.0
+
+    # one process, no launcher
+    python solutions/04_mixed_precision.py --dataset digits --precision bf16
+"""
+
+from contextlib import nullcontext
+from itertools import islice
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from common.cli import non_negative_int, positive_float, positive_int
+from common.distributed import is_main, print0, set_seed, setup_distributed, teardown_distributed
+from common.models import MODELS
+from common.precision import PRECISIONS, check_precision
+from common.training import EpochClock, finish_run, make_loaders, training_arguments
+
+
+def parse_args(argv=None):
+    parser = training_arguments(__doc__.splitlines()[0])
+    parser.add_argument("--grad-accum-steps", type=positive_int, default=1,
+                        help="micro-batches per optimizer step on every process")
+    parser.add_argument("--clip-grad-norm", type=positive_float,
+                        help="clip the global norm of the averaged, unscaled gradients to this, before each step")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=0,
+                        help="optimizer steps over which the learning rate rises linearly to --lr")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                        help="autocast dtype of the forward pass; fp16 adds loss scaling")
+    return parser.parse_args(argv)
+
+
+def main(args):
+    env = setup_distributed(args.backend)
+    try:
+        train(args, env)
+    finally:
+        teardown_distributed()
+
+
+def train(args, env):
+    check_precision(args.precision, env.device)
+    effective_batch = args.batch_size * args.grad_accum_steps * env.world_size
+    print0(f"{env.world_size} process(es), backend {env.backend}, device {env.device.type}, precision "
+           f"{args.precision} | effective batch {effective_batch} = {args.batch_size} x {args.grad_accum_steps} "
+           f"micro-steps x {env.world_size} process(es), lr {args.lr}, warm-up {args.warmup_steps} step(s)")
+    model_class = MODELS[args.model]
+    data, train_iter, test_iter = make_loaders(args, env, model_class)
+
+    set_seed(args.seed)
+    net = DDP(model_class(num_classes=data.num_classes).to(env.device),
+              device_ids=[env.device] if env.device.type == "cuda" else None)
+    set_seed(args.seed, env.rank)
+    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    # Linear warm-up: lr * 1/w, 2/w, ... up to lr after w optimizer steps, then constant.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
+    # One scaler for the whole run: its scale is learned across epochs. Disabled, every call is a pass-through.
+    scaler = torch.amp.GradScaler(env.device.type, enabled=args.precision == "fp16")
+
+    clock = EpochClock(env, args.epochs)
+    batches_per_epoch = min(len(train_iter), args.max_steps or len(train_iter))
+    skipped_total = 0
+    for epoch in range(args.epochs):
+        train_iter.sampler.set_epoch(epoch)
+        clock.start()
+        loss_sum, samples, optimizer_steps, skipped_steps = train_one_epoch(
+            net, islice(train_iter, batches_per_epoch), optimizer, scheduler, scaler, args.grad_accum_steps,
+            env.device, num_batches=batches_per_epoch, precision=args.precision,
+            clip_grad_norm=args.clip_grad_norm, progress=f"epoch {epoch + 1}/{args.epochs}")
+        skipped_total += skipped_steps
+        clock.finish(epoch + 1, net, loss_sum, samples, test_iter, optimizer_steps=optimizer_steps,
+                     skipped_steps=skipped_steps, loss_scale=scaler.get_scale(), lr=scheduler.get_last_lr()[0])
+        if scaler.is_enabled():
+            print0(f"  loss scale {scaler.get_scale():g}, {skipped_steps} of {optimizer_steps} step(s) skipped "
+                   f"(inf/NaN gradients)")
+    finish_run(net, clock, args, precision=args.precision, skipped_steps=skipped_total, final_scale=scaler.get_scale(),
+               batch_size_per_process=args.batch_size, grad_accum_steps=args.grad_accum_steps,
+               effective_batch_size=effective_batch, lr=args.lr, warmup_steps=args.warmup_steps,
+               clip_grad_norm=args.clip_grad_norm)
+
+
+def train_one_epoch(net, batches, optimizer, scheduler, scaler, accum_steps: int, device, num_batches: int,
+                    precision: str = "fp32", clip_grad_norm: float | None = None, progress: str = ""):
+    """One pass over ``num_batches`` micro-batches, an optimizer step after every ``accum_steps`` of them (and after
+    the last, possibly shorter, group), the forward pass autocast to ``precision``. Returns the summed loss (a
+    tensor), the samples, the optimizer steps attempted and how many of them the scaler skipped."""
+    net.train()
+    loss_sum, samples, optimizer_steps, skipped_steps = torch.zeros((), device=device), 0, 0, 0
+    for i, (X, y) in enumerate(tqdm(batches, total=num_batches, desc=progress, disable=not is_main() or not progress,
+                                    leave=False, mininterval=1.0)):
+        X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        group_start = i - i % accum_steps
+        micro_steps = min(accum_steps, num_batches - group_start)  # the epoch's last group may be shorter
+        last_micro_step = i == group_start + micro_steps - 1
+        # Forward and backward both inside no_sync: DDP decides in forward whether backward will all-reduce.
+        # TODO: run forward AND backward inside `net.no_sync()` on every micro-step but the last, as in lab 02.
+        # Compute `loss` (cross-entropy) under `torch.autocast(device_type=device.type, ...)` in the dtype
+        # `PRECISIONS[precision]`, disabled for "fp32"; call backward outside autocast, on the loss divided by
+        # the group's micro-steps and scaled by `scaler.scale(...)`. After the last micro-step: if
+        # `clip_grad_norm` is given, `scaler.unscale_(optimizer)` BEFORE clipping (max_norm bounds the true
+        # gradient, not the scaled one); then `scaler.step(optimizer)` and `scaler.update()`, once per optimizer
+        # step. The step was skipped (inf/NaN gradient) when `scaler.get_scale()` went down in the update: count
+        # it in `skipped_steps` and do not step the scheduler then. Zero the gradients and count every optimizer
+        # step in `optimizer_steps`. Keep `loss` (undivided, unscaled) for the lines below.
+        raise NotImplementedError("TODO: autocast the forward, scale the loss, then unscale_, clip, step, update")
+        loss_sum += loss.detach() * len(y)
+        samples += len(y)
+    return loss_sum, samples, optimizer_steps, skipped_steps
+
+
+if __name__ == "__main__":
+    main(parse_args())

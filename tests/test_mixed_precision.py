@@ -1,0 +1,138 @@
+"""The number formats and the loss scaler behind lesson 05, on one process, and a guard against the old AMP API."""
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.distributed import ConfigurationError
+from common.models import LeNet
+from common.precision import check_precision
+from tests.conftest import REPO
+
+# Written in pieces so that this file does not match itself.
+DEPRECATED = re.compile(r"\btorch\.cuda\." + r"amp\b|\bfrom\s+torch\.cuda\s+import\s+" + r"amp\b")
+SKIPPED_FOLDERS = {".venv", "runs", ".git", "data", "__pycache__", ".ipynb_checkpoints"}
+
+
+def code_lines(path):
+    """The lines of code in a .py file or in a notebook's code cells; Markdown is prose and may name old APIs."""
+    if path.suffix == ".ipynb":
+        cells = json.loads(path.read_text())["cells"]
+        return [line for cell in cells if cell["cell_type"] == "code" for line in "".join(cell["source"]).splitlines()]
+    return path.read_text().splitlines()
+
+
+def deprecated_amp_uses(root):
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = sorted(name for name in subfolders if name not in SKIPPED_FOLDERS)  # never enter .venv
+        files += [Path(folder) / name for name in sorted(names) if name.endswith((".py", ".ipynb"))]
+    return [f"{path.relative_to(root)}: {line.strip()}" for path in files for line in code_lines(path)
+            if DEPRECATED.search(line)]
+
+
+def test_no_code_in_the_repository_uses_the_deprecated_cuda_amp_module():
+    assert deprecated_amp_uses(REPO) == []
+
+
+def test_the_scan_finds_the_deprecated_module_in_code_and_ignores_it_in_prose(tmp_path):
+    old = "torch.cuda." + "amp"
+    (tmp_path / "train.py").write_text(f"import torch\nscaler = {old}.GradScaler()\n")
+    (tmp_path / "lesson.ipynb").write_text(json.dumps({"cells": [
+        {"cell_type": "markdown", "source": [f"Other tutorials use `{old}`."]},
+        {"cell_type": "code", "source": ["from torch.cuda import " + "amp\n"]}]}))
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / "vendored.py").write_text(f"{old}.autocast()\n")
+    assert deprecated_amp_uses(tmp_path) == ["lesson.ipynb: from torch.cuda import " + "amp",
+                                             f"train.py: scaler = {old}.GradScaler()"]
+
+
+def test_fp16_flushes_1e_8_to_zero_and_the_scaled_value_survives():
+    assert torch.finfo(torch.float16).tiny == pytest.approx(6.1035e-05, rel=1e-4)  # the smallest *normal* fp16
+    assert torch.tensor(1e-4).half().item() == pytest.approx(1e-4, rel=1e-3)  # above it: no underflow at all
+    assert torch.tensor(1e-8).half().item() == 0.0  # below the smallest subnormal, 2**-24 = 6e-8: gone
+    scale = 2.0**16
+    survived = torch.tensor(1e-8 * scale).half()
+    assert survived.float().item() / scale == pytest.approx(1e-8, rel=1e-3)
+    assert torch.tensor(1e-8).bfloat16().item() == pytest.approx(1e-8, rel=1e-2)  # bf16 has fp32's range
+
+
+def test_bf16_keeps_fewer_significant_bits_than_fp16():
+    one_plus = torch.tensor(1 + 2**-9)  # needs 9 bits after the point: fp16 keeps 10, bf16 7
+    assert one_plus.half().item() == 1 + 2**-9
+    assert one_plus.bfloat16().item() == 1.0
+
+
+def test_a_small_gradient_underflows_in_an_fp16_backward_unless_the_loss_is_scaled():
+    def gradient(scale):
+        # As under autocast: an fp32 weight, cast to fp16 for a product with an fp16 activation, an fp32 loss.
+        w = torch.ones(1, requires_grad=True)
+        x = torch.full((1,), 1e-4, dtype=torch.float16)
+        loss = ((w.half() * x).float() * 1e-4).sum()
+        # d(loss)/dw = 1e-4 * x = 1e-8 (times the scale): the product is computed in fp16, then cast to fp32
+        (loss * scale).backward()
+        return w.grad / scale
+
+    assert gradient(1.0).item() == 0.0
+    assert gradient(2.0**16).item() == pytest.approx(1e-8, rel=1e-2)
+
+
+def test_the_scaler_skips_a_step_on_inf_halves_the_scale_and_grows_it_back():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    X = torch.randn(8, 4)
+
+    def step(poison):
+        optimizer.zero_grad()
+        scaler.scale(model(X).square().mean()).backward()
+        if poison:
+            model.weight.grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(optimizer)
+        scaler.update()
+        return not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+    assert step(poison=True) is False and scaler.get_scale() == 512.0  # skipped: nothing moved, scale halved
+    assert step(poison=False) is True and scaler.get_scale() == 512.0  # one good step: not yet
+    assert step(poison=False) is True and scaler.get_scale() == 1024.0  # growth_interval good steps: doubled
+
+
+def test_autocast_computes_in_low_precision_but_parameters_and_gradients_stay_fp32():
+    torch.manual_seed(0)
+    model = LeNet()
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        logits = model(torch.randn(4, 1, 28, 28))
+        loss = F.cross_entropy(logits, torch.tensor([0, 1, 2, 3]))
+    loss.backward()
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32  # the loss is on autocast's fp32 list
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {p.grad.dtype for p in model.parameters()} == {torch.float32}  # so DDP all-reduces fp32 gradients
+
+
+def test_check_precision_accepts_what_this_cpu_runs():
+    for precision in ("fp32", "bf16", "fp16"):
+        check_precision(precision, torch.device("cpu"))  # PyTorch 2.14 autocasts both on CPU, and scales fp16
+    with pytest.raises(ConfigurationError, match="unknown precision 'fp8'"):
+        check_precision("fp8", torch.device("cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_fp16_on_a_device_that_cannot_run_it_stops_with_a_message_instead_of_running_in_fp32():
+    with pytest.raises(ConfigurationError, match="--precision fp16 is not supported on cuda"):
+        check_precision("fp16", torch.device("cuda"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_gradscaler_without_a_device_means_cuda_and_silently_switches_off_without_one():
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        scaler = torch.amp.GradScaler()  # what tutorials write: no device
+    assert not scaler.is_enabled()
+    loss = torch.tensor(2.0)
+    assert scaler.scale(loss) is loss  # no scaling at all: fp16 gradients would underflow unnoticed
