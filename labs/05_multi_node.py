@@ -1,0 +1,145 @@
+"""Lab 05 (lesson 07): one training script for one node or many, that survives a crash and resumes bit-exactly.
+
+YOUR TASK: fill in the TODOs in ``save`` and ``resume``: what a checkpoint must hold for a restarted run to
+continue bit for bit, who writes it, and how every rank comes to load the same one. Everything else (the
+rank map, the loop that skips the batches a checkpoint already holds, ``--fail-at-step``) is done for you; the
+file side (``write_verified``, ``newest_valid_checkpoint``, ``gather_rng_states``) is in
+``common/fault_tolerance.py``. Check your work with
+
+    LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_05_multi_node.py
+
+Global rank 0 writes a checkpoint every ``--checkpoint-every`` optimizer steps: model, optimizer, scheduler,
+epoch, step, position in the epoch's shuffled order, every rank's RNG state and the metrics so far. When a
+worker dies, ``torchrun --max-restarts`` restarts every worker; they find the newest valid checkpoint and
+continue from it, and end with the parameters an uninterrupted run would have, bit for bit.
+
+    # one machine, 2 processes (CPU, gloo)
+    torchrun --standalone --nproc-per-node 2 solutions/05_multi_node.py --dataset digits \
+        --checkpoint-dir checkpoints/multi_node
+
+    # rehearsal: two "nodes" of 2 processes on this machine, c10d rendezvous on 127.0.0.1
+    python scripts/rehearse_two_nodes.py -- solutions/05_multi_node.py --dataset digits
+
+    # a real cluster: the same line on every node; NODE0 is the first node's address, /shared is on every node
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint NODE0:29400 --rdzv-id job42 \
+        --max-restarts 3 solutions/05_multi_node.py --checkpoint-dir /shared/checkpoints/job42
+
+    # fault drill: the last rank fails at step 30 on the first attempt; torchrun restarts all, they resume
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 solutions/05_multi_node.py --dataset digits \
+        --checkpoint-dir /tmp/drill --checkpoint-every 10 --fail-at-step 30
+"""
+
+import os
+import socket
+from itertools import islice
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common.checkpoint import unwrap
+from common.cli import positive_int
+from common.distributed import is_main, print0, set_seed, setup_distributed, teardown_distributed
+from common.fault_tolerance import (checkpoint_path, gather_rng_states, newest_valid_checkpoint, prune_checkpoints,
+                                    read_verified, restart_attempt, set_rng_state, write_verified)
+from common.models import MODELS
+from common.training import EpochClock, finish_run, make_loaders, training_arguments
+
+
+def parse_args(argv=None):
+    parser = training_arguments(__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint-dir", help="checkpoints go here, and a (re)started run resumes from here; "
+                        "on a cluster, a folder that every node sees")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=50, help="optimizer steps between saves")
+    parser.add_argument("--keep-checkpoints", type=positive_int, default=2, help="the newest N are kept")
+    parser.add_argument("--fail-at-step", type=positive_int,
+                        help="test hook: the last rank raises an error at this step, on the first attempt only")
+    return parser.parse_args(argv)
+
+
+@record  # a failing worker's traceback goes to torchrun's error file, and its summary names the rank
+def main(args):
+    env = setup_distributed(args.backend)
+    try:
+        train(args, env)
+    finally:
+        teardown_distributed()
+
+
+def train(args, env):
+    attempt = restart_attempt(env.device)  # 0, then 1 after the first restart... the same on every rank
+    me = (os.environ.get("GROUP_RANK", "0"), env.local_rank, socket.gethostname())  # GROUP_RANK: the node rank
+    where = [me] * env.world_size
+    if dist.is_initialized():
+        dist.all_gather_object(where, me)
+    print0(f"{env.world_size} process(es), backend {env.backend}, attempt {attempt} | "
+           + ", ".join(f"rank {r}: node {n} local {lr} on {h}" for r, (n, lr, h) in enumerate(where)))
+    model_class = MODELS[args.model]
+    data, train_iter, test_iter = make_loaders(args, env, model_class)
+    set_seed(args.seed)
+    # find_unused_parameters=True keeps DDP's first gradient buckets for the whole run. By default DDP rebuilds
+    # them after step 1 in the order gradients became ready, so a resumed run's first step (fresh buckets)
+    # sums each element in a different order than the uninterrupted run did: 1 ulp apart with 4 ranks.
+    net = DDP(model_class(num_classes=data.num_classes).to(env.device),
+              device_ids=[env.device] if env.device.type == "cuda" else None, find_unused_parameters=True)
+    set_seed(args.seed, env.rank)
+    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    steps_per_epoch = min(len(train_iter), args.max_steps or len(train_iter))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=steps_per_epoch, gamma=0.8)  # per epoch
+
+    clock = EpochClock(env, args.epochs)
+    epoch, step, batch_in_epoch, clock.history = resume(args.checkpoint_dir, env, net, optimizer, scheduler)
+    for epoch in range(epoch, args.epochs):
+        train_iter.sampler.set_epoch(epoch)  # the epoch's permutation, the same as before the crash
+        clock.start()
+        net.train()
+        loss_sum, samples = torch.zeros((), device=env.device), 0
+        # Skip the batches that the checkpoint already holds: the sampler position.
+        for i, (X, y) in enumerate(islice(train_iter, batch_in_epoch, steps_per_epoch), start=batch_in_epoch):
+            step += 1
+            if step == args.fail_at_step and attempt == 0 and env.rank == env.world_size - 1:
+                raise RuntimeError(f"--fail-at-step {step}: rank {env.rank} fails on purpose (attempt {attempt})")
+            X, y = X.to(env.device), y.to(env.device)
+            loss = F.cross_entropy(net(X), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            loss_sum += loss.detach() * len(y)
+            samples += len(y)
+            if args.checkpoint_dir and step % args.checkpoint_every == 0 and i + 1 < steps_per_epoch:
+                save(args, step, epoch, i + 1, net, optimizer, scheduler, clock.history)
+        batch_in_epoch = 0
+        clock.finish(epoch + 1, net, loss_sum, samples, test_iter, step=step, attempt=attempt)
+        if args.checkpoint_dir and (step % args.checkpoint_every == 0 or epoch + 1 == args.epochs):
+            save(args, step, epoch + 1, 0, net, optimizer, scheduler, clock.history)  # the epoch's figures too
+    finish_run(net, clock, args, restarts=attempt, final_step=step, batch_size_per_process=args.batch_size,
+               nodes=len({node for node, _, _ in where}))
+
+
+def save(args, step, epoch, batch_in_epoch, net, optimizer, scheduler, history):
+    """Call on every rank: all of them hand in their RNG state, global rank 0 alone writes, all wait for it."""
+    # TODO: every rank gathers the RNG states of all ranks (a collective); global rank 0 alone writes a dict
+    # with model, optimizer, scheduler, epoch, step, batch_in_epoch, rng and history to
+    # checkpoint_path(args.checkpoint_dir, step) with write_verified, then prunes to args.keep_checkpoints;
+    # finally every rank waits at a barrier until the file is on disk.
+    raise NotImplementedError("save: write the checkpoint from global rank 0")
+
+
+def resume(folder, env, net, optimizer, scheduler):
+    """Load the newest valid checkpoint in ``folder`` on every rank; return (epoch, step, batch in epoch, history).
+
+    Global rank 0 picks the file and tells the others, so that every rank loads the same step.
+    """
+    # TODO: global rank 0 finds newest_valid_checkpoint(folder, log=print0) (when folder is set) and broadcasts
+    # its path (broadcast_object_list); with none, return 0, 0, 0, []. Otherwise every rank reads it with
+    # read_verified, loads model (unwrap(net)), optimizer and scheduler, restores its own RNG state (reseed with
+    # set_seed(step, rank) if the world size changed), prints "resumed from PATH: epoch E, step S, batch B of
+    # the epoch" on rank 0, and returns (epoch, step, batch_in_epoch, history).
+    raise NotImplementedError("resume: load the newest valid checkpoint on every rank")
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,100 @@
+"""Lab 05: multi-node training with crash-and-resume, rehearsed as two torchrun "nodes" on 127.0.0.1 (gloo, CPU).
+
+Runs against solutions/05_multi_node.py; with LAB_TARGET=labs, against your labs/05_multi_node.py:
+
+    LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_05_multi_node.py
+
+Every launch goes through scripts/rehearse_two_nodes.py with a deadline, and through run_command's timeout.
+"""
+
+import json
+
+import pytest
+import torch
+
+from common.fault_tolerance import list_checkpoints, read_verified
+from tests.conftest import PYTHON, REPO, lab_path, run_command
+
+LAB = "05_multi_node"
+REHEARSE = REPO / "scripts" / "rehearse_two_nodes.py"
+# 4 ranks x 32 per batch: 12 steps per epoch of digits, 24 in all; checkpoints at 4, 8, 12 (epoch end), ...
+TRAINING = ["--dataset", "digits", "--epochs", "2", "--batch-size", "32", "--checkpoint-every", "4"]
+FAIL_AT = 14  # in epoch 2, two steps after the checkpoint at step 12
+
+
+def rehearse(*args, timeout=150, launcher=()):
+    return run_command([PYTHON, REHEARSE, "--timeout", timeout - 20, *launcher, "--", lab_path(LAB), *args],
+                       timeout=timeout)
+
+
+def final_model(folder):
+    state = read_verified(list_checkpoints(folder)[0])
+    return state["step"], state["model"]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """An uninterrupted run of two nodes x 2 processes, each node with a disk of its own ({node})."""
+    folder = tmp_path_factory.mktemp("two_nodes")
+    run = rehearse(*TRAINING, "--checkpoint-dir", folder / "node{node}" / "ckpt",
+                   "--metrics-file", folder / "node{node}" / "metrics.json")
+    return folder, run
+
+
+def test_two_launchers_form_a_world_of_4_and_only_global_rank_0_writes(two_nodes):
+    folder, run = two_nodes
+    assert run.returncode == 0, run.output[-4000:]
+    assert "4 process(es)" in run.stdout and "model replicas identical on all 4 rank(s): True" in run.stdout
+    # Both launchers host 2 ranks; global rank 0 is on whichever node the rendezvous made node 0.
+    assert "rank 3: node 1 local 1" in run.stdout
+    writers = [node for node in (0, 1) if list_checkpoints(folder / f"node{node}" / "ckpt")]
+    assert len(writers) == 1, "one node's disk holds checkpoints; per-node (local rank 0) writers would give two"
+    writer = writers[0]
+    other = folder / f"node{1 - writer}"
+    assert not other.exists() or not any(other.rglob("*")), sorted(other.rglob("*"))
+    assert f"[node {writer}] 4 process(es)" in run.stdout  # rank 0's launcher printed, and wrote
+    metrics = json.loads((folder / f"node{writer}" / "metrics.json").read_text())
+    assert metrics["world_size"] == 4 and metrics["nodes"] == 2 and metrics["final_step"] == 24
+    assert metrics["replicas_in_sync"] is True and metrics["restarts"] == 0
+
+
+def test_a_crash_with_max_restarts_resumes_to_bit_identical_parameters(two_nodes, tmp_path):
+    folder, reference = two_nodes
+    assert reference.returncode == 0, reference.output[-4000:]
+    run = rehearse(*TRAINING, "--checkpoint-dir", tmp_path / "ckpt", "--fail-at-step", FAIL_AT,
+                   "--metrics-file", tmp_path / "metrics.json", launcher=["--max-restarts", "1"])
+    assert run.returncode == 0, run.output[-4000:]
+    assert f"--fail-at-step {FAIL_AT}: rank 3 fails on purpose" in run.output
+    assert "resumed from" in run.stdout and "step 12" in run.stdout
+    writer = next(node for node in (0, 1) if list_checkpoints(folder / f"node{node}" / "ckpt"))
+    expected_step, expected = final_model(folder / f"node{writer}" / "ckpt")
+    step, resumed = final_model(tmp_path / "ckpt")
+    assert step == expected_step == 24
+    assert expected.keys() == resumed.keys()
+    assert all(torch.equal(resumed[name], expected[name]) for name in expected), "not bit-identical"
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["restarts"] == 1 and metrics["epochs_run"] == [1, 2]  # the history survived the crash
+
+
+def test_without_restarts_a_failure_ends_every_process_promptly_and_names_the_rank(tmp_path):
+    run = rehearse(*TRAINING, "--checkpoint-dir", tmp_path / "ckpt", "--fail-at-step", "3", timeout=120,
+                   launcher=["--grace", "45"])
+    assert run.returncode != 0 and run.seconds < 90, run.output[-4000:]
+    assert "rehearsal: stopping" not in run.stdout, "a launcher had to be stopped: it hung"
+    assert "--fail-at-step 3: rank 3 fails on purpose" in run.output
+    assert "rank      : 3" in run.output  # torchrun's failure summary names the global rank
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(tmp_path):
+    # A world of one (plain python), 3 steps per epoch: checkpoints at steps 2, 4 and 6 (the last two kept).
+    quick = ["--dataset", "digits", "--max-steps", "3", "--checkpoint-every", "2", "--checkpoint-dir", tmp_path]
+    first = run_command([PYTHON, lab_path(LAB), *quick, "--epochs", "2"], timeout=120)
+    assert first.returncode == 0, first.output
+    assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000006.pt", "step_00000004.pt"]
+    newest = tmp_path / "step_00000006.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # truncated, as by a full disk
+    resumed = run_command([PYTHON, lab_path(LAB), *quick, "--epochs", "3"], timeout=120)
+    assert resumed.returncode == 0, resumed.output
+    assert "skipping checkpoint step_00000006.pt" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step_00000004.pt: epoch 1, step 4, batch 1" in resumed.stdout
+    assert final_model(tmp_path)[0] == 9

@@ -1,0 +1,164 @@
+"""Lesson 07's machinery: verified checkpoints, RNG states, the rehearsal launcher and the launch files."""
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from common.fault_tolerance import (CorruptCheckpoint, checkpoint_path, list_checkpoints, newest_valid_checkpoint,
+                                    prune_checkpoints, read_verified, rng_state, set_rng_state, write_verified)
+from tests.conftest import PYTHON, REPO, TORCHRUN, run_command
+
+REHEARSE = REPO / "scripts" / "rehearse_two_nodes.py"
+
+
+def state(step):
+    return {"model": {"w": torch.full((1000,), float(step))}, "step": step}
+
+
+def test_a_verified_checkpoint_round_trips_and_a_flipped_byte_is_caught_by_the_digest(tmp_path):
+    path = checkpoint_path(tmp_path, 3)
+    write_verified(path, state(3))
+    assert path.name == "step_00000003.pt" and torch.equal(read_verified(path)["model"]["w"], state(3)["model"]["w"])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor's bytes
+    path.write_bytes(bytes(data))
+    torch.load(path, weights_only=True)  # torch.load alone does not notice: the reason for the digest
+    with pytest.raises(CorruptCheckpoint, match="do not match its SHA-256"):
+        read_verified(path)
+
+
+def test_the_newest_valid_checkpoint_skips_truncated_and_unfinished_ones(tmp_path):
+    for step in (10, 20, 30, 40):
+        write_verified(checkpoint_path(tmp_path, step), state(step))
+    newest, unfinished = checkpoint_path(tmp_path, 40), checkpoint_path(tmp_path, 30)
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    (tmp_path / f"{unfinished.name}.sha256").unlink()  # killed between the file and its digest
+    skipped = []
+    assert newest_valid_checkpoint(tmp_path, log=skipped.append) == checkpoint_path(tmp_path, 20)
+    assert len(skipped) == 2 and "no digest" in skipped[1]
+    assert newest_valid_checkpoint(tmp_path / "missing") is None
+
+
+def test_pruning_keeps_the_newest_and_ignores_temporary_files(tmp_path):
+    for step in (1, 2, 3):
+        write_verified(checkpoint_path(tmp_path, step), state(step))
+    (tmp_path / ".step_00000004.pt.abc.tmp").write_bytes(b"half")
+    assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000003.pt", "step_00000002.pt",
+                                                                  "step_00000001.pt"]
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        ".step_00000004.pt.abc.tmp", "step_00000002.pt", "step_00000002.pt.sha256", "step_00000003.pt",
+        "step_00000003.pt.sha256"]
+
+
+def test_rng_states_survive_a_weights_only_checkpoint(tmp_path):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    write_verified(tmp_path / "rng.pt", {"rng": [rng_state()]})
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    set_rng_state(read_verified(tmp_path / "rng.pt")["rng"][0])
+    assert torch.equal(torch.rand(3), expected[0]) and (np.random.rand(3) == expected[1]).all()
+    assert random.random() == expected[2]
+
+
+WRITER = """
+import sys, torch
+from common.fault_tolerance import checkpoint_path, write_verified
+folder = sys.argv[1]
+step = 0
+print("started", flush=True)
+while True:
+    step += 1
+    write_verified(checkpoint_path(folder, step), {"w": torch.full((4_000_000,), float(step)), "step": step})
+"""
+
+
+@pytest.mark.parametrize("delay", [0.7, 1.3])
+def test_a_process_killed_while_saving_never_leaves_a_half_written_checkpoint(tmp_path, delay):
+    writer = subprocess.Popen([PYTHON, "-c", WRITER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "started"
+        time.sleep(delay)  # 16 MB per checkpoint: the kill lands in the middle of some write
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=30)
+    for path in list_checkpoints(tmp_path):  # every file under a checkpoint's name is whole, or has no digest
+        if (tmp_path / f"{path.name}.sha256").exists():
+            assert read_verified(path)["step"] == int(path.stem.split("_")[1])
+    newest = newest_valid_checkpoint(tmp_path, log=lambda message: None)
+    assert newest is not None, sorted(path.name for path in tmp_path.iterdir())
+    assert torch.equal(read_verified(newest)["w"], torch.full((4_000_000,), float(read_verified(newest)["step"])))
+
+
+def held_port():
+    """A listening socket on a free port, as another program holding the rendezvous port would be."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock, sock.getsockname()[1]
+
+
+def test_the_rehearsal_refuses_a_rendezvous_port_in_use_at_once():
+    sock, port = held_port()
+    with sock:
+        run = run_command([PYTHON, REHEARSE, "--port", port, "--", "solutions/05_multi_node.py"], timeout=30)
+    assert run.returncode == 2 and f"rendezvous port 127.0.0.1:{port} is already in use" in run.stderr
+    assert "Do not kill processes you did not start" in run.stderr
+
+
+def test_torchrun_hosting_the_store_on_a_port_in_use_fails_fast_with_address_already_in_use():
+    # Without is_host=1 the same torchrun connects to whatever listens there and waits: a hang (lesson 07).
+    sock, port = held_port()
+    with sock:
+        run = run_command([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "busy", "--rdzv-conf", "is_host=1",
+                           REPO / "solutions/05_multi_node.py"], timeout=60)
+    assert run.returncode != 0 and run.seconds < 45
+    assert "address already in use" in run.output and "EADDRINUSE" in run.output
+
+
+def test_the_kubeflow_pytorchjob_is_elastic_and_runs_the_lesson_script():
+    job = yaml.safe_load((REPO / "launch" / "pytorchjob_multi_node.yaml").read_text())
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    elastic = job["spec"]["elasticPolicy"]
+    assert elastic["rdzvBackend"] == "c10d" and 1 <= elastic["minReplicas"] <= elastic["maxReplicas"]
+    assert elastic["maxRestarts"] >= 1
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert elastic["minReplicas"] <= worker["replicas"] <= elastic["maxReplicas"]
+    container = worker["template"]["spec"]["containers"][0]
+    assert container["name"] == "pytorch"  # the operator injects its PET_* variables into this container
+    assert container["command"][0] == "torchrun" and "solutions/05_multi_node.py" in container["command"]
+    assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in container["env"]
+    assert (REPO / container["command"][container["command"].index("solutions/05_multi_node.py")]).exists()
+
+
+def test_the_slurm_script_parses_and_launches_torchrun_with_c10d_on_the_first_node():
+    script = REPO / "launch" / "slurm_multi_node.sbatch"
+    run = run_command(["bash", "-n", script], timeout=30)
+    assert run.returncode == 0, run.output
+    text = script.read_text()
+    for needed in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "srun", "torchrun", "--rdzv-backend c10d",
+                   "--rdzv-id", "is_host=", "scontrol show hostnames", "solutions/05_multi_node.py",
+                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        assert needed in text, needed
+    assert "--master-addr" not in text and "torch.distributed.launch" not in text
+
+
+def test_the_environment_contract_lists_what_the_launchers_set():
+    text = (REPO / "launch" / "ENVIRONMENT.md").read_text()
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                 "TORCHELASTIC_RESTART_COUNT", "NCCL_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG"):
+        assert f"`{name}" in text, name
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
