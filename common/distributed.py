@@ -23,6 +23,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -203,11 +204,14 @@ def global_mean(total, count, device: torch.device | None = None) -> float:
 def replicas_in_sync(model: torch.nn.Module) -> bool:
     """True when every rank holds exactly the same parameters: the proof that gradients were synchronized.
 
-    Compares the element-wise maximum and minimum over ranks (two all-reduces); call it on every rank.
+    Compares the element-wise maximum and minimum over ranks (two all-reduces); call it on every rank. Works
+    for plain, DDP and FSDP2 models: a sharded (DTensor) parameter is gathered whole first, since its local
+    shards differ by design.
     """
     if not dist.is_initialized():
         return True
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    whole = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]  # gathers: collective
+    flat = torch.cat([p.detach().reshape(-1) for p in whole]).double()
     highest, lowest = flat.clone(), flat.clone()
     dist.all_reduce(highest, op=dist.ReduceOp.MAX)
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)

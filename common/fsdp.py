@@ -128,22 +128,6 @@ def full_gradients(model: nn.Module) -> list[torch.Tensor | None]:
     return [full_tensor(p.grad) for p in model.parameters()]
 
 
-def parameters_in_sync(model: nn.Module) -> bool:
-    """True when every rank sees the same full parameters; for plain, DDP and FSDP2 models alike.
-
-    ``common.distributed.replicas_in_sync`` reads ``p`` directly, which for a DTensor is only this rank's
-    shard: the shards differ by design. This gathers each parameter first and then compares across ranks
-    (element-wise MAX and MIN), which catches replicated parameters that drifted apart.
-    """
-    flat = torch.cat([p.reshape(-1) for p in full_parameters(model)]).double()
-    if not dist.is_initialized():
-        return True
-    highest, lowest = flat.clone(), flat.clone()
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-    return bool(torch.equal(highest, lowest))
-
-
 def checkpoint_path(checkpoint_dir, epoch: int) -> Path:
     """Where the sharded checkpoint taken after ``epoch`` lives: a folder, one file per rank plus ``.metadata``."""
     return Path(checkpoint_dir) / f"epoch-{epoch:04d}"

@@ -50,9 +50,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from common.checkpoint import write_json
-from common.distributed import is_main, print0, set_seed, setup_distributed, teardown_distributed
+from common.distributed import (is_main, print0, replicas_in_sync, set_seed, setup_distributed,
+                                teardown_distributed)
 from common.fsdp import (PRECISIONS, checkpoint_path, export_full_state_dict, latest_checkpoint, make_mesh,
-                         mixed_precision_policy, parameters_in_sync, reshard)
+                         mixed_precision_policy, reshard)
 from common.memory import local_bytes, training_state_bytes, zero_bytes_per_rank
 from common.metrics import peak_memory_mib, run_summary
 from common.models import MODELS
@@ -178,7 +179,7 @@ def train_one_epoch(net, batches, optimizer, device, num_batches: int, progress:
 
 def finish(net, clock, args, env, num_parameters: int, state_bytes: dict | None):
     """Gather every rank's memory figures, check the parameters, have rank 0 print and write the metrics."""
-    in_sync = parameters_in_sync(net)
+    in_sync = replicas_in_sync(net)
     mine = {"rank": env.rank, **(state_bytes or {}), "peak_memory_mib": peak_memory_mib(env.device)}
     per_rank = [None] * env.world_size
     dist.all_gather_object(per_rank, mine)

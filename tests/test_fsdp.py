@@ -14,8 +14,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common.distributed import replicas_in_sync
 from common.fsdp import (apply_fsdp, export_full_state_dict, force_sum_reduction, full_gradients, full_parameters,
-                         full_tensor, load_sharded, make_mesh, parameters_in_sync, save_sharded)
+                         full_tensor, load_sharded, make_mesh, save_sharded)
 from common.launch import run_on_ranks
 from common.memory import training_state_bytes, zero_bytes_per_rank
 from common.models import DeepMLP
@@ -79,7 +80,7 @@ def side_by_side(env, checkpoint_dir):
         optimizer = torch.optim.Adam(net.parameters(), lr=LR)  # after sharding: Adam's states are shards too
         results[f"{name}_gradients"] = train(net, optimizer, step_batches(env))
         results[name] = full_parameters(net)
-        results[f"{name}_in_sync"] = parameters_in_sync(net)
+        results[f"{name}_in_sync"] = replicas_in_sync(net)
     weight = net.blocks[0][0].weight
     results["placements"] = [repr(placement) for placement in weight.placements]
     results["local_rows"] = weight.to_local().shape[0]
