@@ -169,5 +169,11 @@ def make_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, t
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed)
     if isinstance(dataset, TensorDataset):
         return TensorBatchLoader(dataset, batch_size, sampler)
+    # A generator of the loader's own. Each new DataLoader iterator draws its workers' base seed from
+    # `generator`, and without one from the global RNG: one hidden draw that shifts every dropout mask after
+    # it. A run that resumes mid-training creates its iterator at another moment than an uninterrupted run
+    # did (persistent workers draw once, at the first epoch iterated), so with the global RNG the two runs'
+    # dropout masks differ from the resume on, and the resumed run cannot end bit-identical.
+    generator = torch.Generator().manual_seed(seed + rank)  # per rank, as set_seed(seed, rank) would
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0)
+                      pin_memory=pin_memory, persistent_workers=num_workers > 0, generator=generator)
