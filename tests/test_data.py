@@ -1,4 +1,4 @@
-import struct
+import random
 
 import numpy as np
 import pytest
@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 from common.data import TensorBatchLoader, _read_digits, _torchvision, load_data, make_loader
 from common.distributed import ConfigurationError
 from tests.conftest import NO_NETWORK, PYTHON, run_command
+from tests.fake_datasets import write_idx
 
 
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
@@ -73,20 +74,14 @@ def test_ranks_that_do_not_download_say_so_when_the_files_are_missing(tmp_path):
         _torchvision("fashion-mnist", str(tmp_path), (1, 28, 28), download=False)
 
 
-def write_idx(path, array: torch.Tensor):
-    """Write a uint8 tensor in the IDX format that MNIST-style files use."""
-    header = struct.pack(">BBBB", 0, 0, 0x08, array.dim()) + struct.pack(f">{array.dim()}I", *array.shape)
-    path.write_bytes(header + array.to(torch.uint8).numpy().tobytes())
-
-
 def test_fashion_mnist_files_in_data_dir_load_without_network_in_the_model_shape(tmp_path, monkeypatch):
     for variable, value in NO_NETWORK.items():
         monkeypatch.setenv(variable, value)
     raw = tmp_path / "FashionMNIST" / "raw"
     raw.mkdir(parents=True)
     for split, size in (("train", 6), ("t10k", 4)):
-        write_idx(raw / f"{split}-images-idx3-ubyte", torch.randint(0, 256, (size, 28, 28)))
-        write_idx(raw / f"{split}-labels-idx1-ubyte", torch.arange(size) % 10)
+        write_idx(raw / f"{split}-images-idx3-ubyte", torch.randint(0, 256, (size, 28, 28)).numpy())
+        write_idx(raw / f"{split}-labels-idx1-ubyte", (torch.arange(size) % 10).numpy())
     data = load_data("fashion-mnist", data_dir=str(tmp_path), input_shape=(3, 32, 32))
     X, label = data.train[5]
     assert (len(data.train), len(data.test)) == (6, 4) and label == 5
@@ -150,3 +145,25 @@ def test_other_data_sets_get_a_dataloader_with_a_distributed_sampler():
 def test_batch_size_below_one_is_a_clear_error():
     with pytest.raises(ConfigurationError, match="batch size must be at least 1"):
         make_loader(TensorDataset(torch.arange(4)), 0, rank=0, world_size=1, train=True)
+
+
+def global_rng_states():
+    return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+
+
+@pytest.mark.parametrize("dataset, num_workers", [(Squares(), 0), (Squares(), 2),
+                                                  (TensorDataset(torch.zeros(9, 1), torch.arange(9)), 0)],
+                         ids=["DataLoader-0-workers", "DataLoader-2-workers", "TensorBatchLoader"])
+def test_creating_and_iterating_a_loader_draws_nothing_from_the_global_rngs(dataset, num_workers):
+    # A DataLoader iterator draws its workers' base seed from the loader's generator, or from the global RNG
+    # without one. Dropout draws from the global RNG too, so a hidden draw there would shift every mask after
+    # it, and a resumed run (whose iterator starts at another moment) could not end bit-identical.
+    torch.manual_seed(0)
+    before = global_rng_states()
+    loader = make_loader(dataset, 2, rank=1, world_size=2, train=True, num_workers=num_workers)
+    for epoch in (0, 1):  # persistent workers start at the first epoch; a new iterator each epoch without them
+        loader.sampler.set_epoch(epoch)
+        assert len(shard_labels(loader)) == 5  # 9 samples padded to 10, half of them on rank 1
+    after = global_rng_states()
+    assert torch.equal(after[0], before[0]), "the loader drew from torch's global RNG"
+    assert np.array_equal(after[1], before[1]) and after[2] == before[2]
