@@ -1,9 +1,12 @@
 """Synchronized BatchNorm by hand: what ``nn.SyncBatchNorm`` computes, written with ``dist.all_reduce``.
 
 In training, BatchNorm normalises each channel with the mean and variance of the batch it is given. Under DDP
-a rank is given only its shard, so each rank normalises with different statistics and its running averages
-drift apart from the other ranks'. ``nn.SyncBatchNorm`` combines the statistics of all ranks first, so every
-rank normalises with those of the whole global batch, exactly as one process holding the whole batch would.
+a rank is given only its shard, so each rank normalises with different statistics. Its running averages are
+no better: DDP (``forward_sync_buffers=True``, the default) broadcasts rank 0's buffers at the start of every
+forward, so they are the averages of rank 0's shard, each other rank's moved by its own last batch
+(``common.demos.batch_norm_statistics_through_ddp`` shows it). ``nn.SyncBatchNorm`` combines the statistics of
+all ranks first, so every rank normalises with those of the whole global batch, and keeps their running
+averages, exactly as one process holding the whole batch would.
 
 In PyTorch 2.14 ``nn.SyncBatchNorm`` runs on GPUs only: with CPU tensors in a process group of more than one
 rank it raises ``ValueError``. The functions here do the same arithmetic on any device and backend, gloo

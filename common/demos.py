@@ -78,6 +78,101 @@ def batch_norm_across_ranks(env) -> dict:
     return results
 
 
+def ddp_batch_norm_batch(rank: int, step: int) -> torch.Tensor:
+    """Rank ``rank``'s input at ``step`` in the DDP BatchNorm demo: 4 random 2-channel 3x3 images, rank 1's
+    brighter by 2, so that each rank's statistics are told apart at a glance."""
+    return torch.randn(4, 2, 3, 3, generator=torch.Generator().manual_seed(100 * rank + step)) + 2 * rank
+
+
+def running_statistics(batches, momentum: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """BatchNorm2d's ``running_mean`` and ``running_var`` after training-mode forwards on ``batches``, by hand.
+
+    From the initial 0 and 1, each batch moves them ``momentum`` of the way to its per-channel mean and its
+    unbiased variance (over the batch, height and width).
+    """
+    mean, var = torch.zeros(batches[0].shape[1]), torch.ones(batches[0].shape[1])
+    for X in batches:
+        mean = (1 - momentum) * mean + momentum * X.mean(dim=(0, 2, 3))
+        var = (1 - momentum) * var + momentum * X.var(dim=(0, 2, 3), correction=1)
+    return mean, var
+
+
+def batch_norm_statistics_through_ddp(env, steps: int = 3) -> dict:
+    """Train a lone ``nn.BatchNorm2d(2)`` with DDP for ``steps`` steps on ``ddp_batch_norm_batch(rank, step)``.
+
+    Three ways: DDP's default ``forward_sync_buffers=True`` (at the start of every forward, DDP broadcasts rank
+    0's buffers to every rank), ``forward_sync_buffers=False``, and the hand-made synchronized BatchNorm of
+    ``common.batchnorm``. Reports each one's BatchNorm buffers after training, and after one more forward in
+    eval mode, without gradients, through the DDP wrapper (as ``common.metrics.evaluate(net, ...)`` runs it).
+    Also reports the error of wrapping an ``nn.SyncBatchNorm`` on CPU in DDP.
+    """
+    variants = {"forward_sync_buffers=True": (True, False), "forward_sync_buffers=False": (False, False),
+                "synchronized (common/batchnorm.py)": (True, True)}
+    results = {}
+    for name, (forward_sync_buffers, synchronized) in variants.items():
+        set_seed(0)
+        model = nn.Sequential(nn.BatchNorm2d(2))
+        if synchronized:
+            synchronize_batch_norms(model)
+        net = DDP(model, forward_sync_buffers=forward_sync_buffers)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(steps):
+            optimizer.zero_grad()
+            net(ddp_batch_norm_batch(env.rank, step)).square().mean().backward()
+            optimizer.step()
+        trained = {key: value.clone() for key, value in model[0].named_buffers()}
+        net.eval()
+        with torch.no_grad():
+            net(ddp_batch_norm_batch(env.rank, steps))  # eval mode: BatchNorm reads its buffers, changes nothing
+        results[name] = {"trained": trained, "evaluated_through_ddp": dict(model[0].named_buffers())}
+    try:
+        DDP(nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(2))))
+        results["sync_batchnorm_on_cpu"] = "no error"
+    except ValueError as error:
+        results["sync_batchnorm_on_cpu"] = f"ValueError: {error}"
+    return results
+
+
+def ddp_buckets(env, configurations: dict, widths=(256,) * 7, steps: int = 2) -> dict:
+    """Record the gradient buckets DDP all-reduces, step by step, for an MLP under each set of DDP arguments.
+
+    The model is ``nn.Linear(widths[i], widths[i + 1])`` layers (256 x 256 floats: 257 KiB a layer). A
+    communication hook sees every bucket as DDP hands it over: its index, its parameters (named as in
+    ``model.named_parameters()``) and its bytes; the hook then all-reduces it as DDP would. For each
+    configuration: ``{"steps": [[bucket, ...] per step, in the order DDP launched them], "ready_order": the
+    parameters in the order their gradients were accumulated in the first backward, "bucket_cap_bytes"}``.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    results = {}
+    for name, ddp_kwargs in configurations.items():
+        set_seed(0)
+        model = nn.Sequential(*(nn.Linear(n_in, n_out) for n_in, n_out in zip(widths[:-1], widths[1:])))
+        names = {parameter: key for key, parameter in model.named_parameters()}
+        ready_order = []
+        handles = [parameter.register_post_accumulate_grad_hook(lambda p: ready_order.append(names[p]))
+                   for parameter in model.parameters()]
+        net = DDP(model, **ddp_kwargs)
+        buckets_per_step = []
+
+        def record_then_all_reduce(state, bucket):
+            buckets_per_step[-1].append({"index": bucket.index(),
+                                         "parameters": [names[p] for p in bucket.parameters()],
+                                         "bytes": bucket.buffer().numel() * bucket.buffer().element_size()})
+            return allreduce_hook(None, bucket)  # the default group; divides by the world size, as DDP does
+
+        net.register_comm_hook(None, record_then_all_reduce)
+        for step in range(steps):
+            buckets_per_step.append([])
+            net(torch.randn(4, widths[0])).square().mean().backward()
+            if step == 0:
+                for handle in handles:
+                    handle.remove()
+        results[name] = {"steps": buckets_per_step, "ready_order": ready_order,
+                         "bucket_cap_bytes": net.bucket_bytes_cap}
+    return results
+
+
 def uneven_batches(rank: int, batch_size: int = 8) -> list:
     """Rank ``rank``'s batches for the uneven-inputs demo: ``4 - rank`` random batches of LeNet inputs and labels."""
     generator = torch.Generator().manual_seed(rank)

@@ -285,6 +285,139 @@ def test_sync_batch_norm_on_a_gpu_equals_one_process_on_the_whole_batch(batch_no
         torch.testing.assert_close(rank["sync_batchnorm"]["features"], half, rtol=1e-4, atol=1e-4)
 
 
+DDP_BATCH_NORM_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def batch_norm_through_ddp():
+    """One 2-rank run of ``common.demos.batch_norm_statistics_through_ddp``, shared by the tests that read it."""
+    from common.demos import batch_norm_statistics_through_ddp
+
+    return run_on_ranks(batch_norm_statistics_through_ddp, 2, DDP_BATCH_NORM_STEPS, timeout=120)
+
+
+def hand_computed(rank_of_each_step):
+    """Running mean and variance, by hand, after one batch per step from the rank named for that step."""
+    from common.demos import ddp_batch_norm_batch, running_statistics
+
+    return running_statistics([ddp_batch_norm_batch(rank, step) for step, rank in enumerate(rank_of_each_step)])
+
+
+def assert_statistics(buffers, expected):
+    mean, var = expected
+    torch.testing.assert_close(buffers["running_mean"], mean)
+    torch.testing.assert_close(buffers["running_var"], var)
+    assert buffers["num_batches_tracked"].item() == DDP_BATCH_NORM_STEPS
+
+
+def test_with_forward_sync_buffers_each_rank_ends_with_rank_0s_statistics_updated_by_its_own_last_batch(
+        batch_norm_through_ddp):
+    rank_0, rank_1 = (rank["forward_sync_buffers=True"]["trained"] for rank in batch_norm_through_ddp)
+    assert_statistics(rank_0, hand_computed([0, 0, 0]))  # rank 0's own batches only: one shard's statistics
+    assert_statistics(rank_1, hand_computed([0, 0, 1]))  # rank 0's, broadcast at the last forward, then its own
+    assert (rank_0["running_mean"] - rank_1["running_mean"]).abs().min() > 0.1  # the ranks leave training apart
+
+
+def test_without_forward_sync_buffers_each_rank_keeps_the_statistics_of_its_own_batches(batch_norm_through_ddp):
+    for rank, result in enumerate(batch_norm_through_ddp):
+        assert_statistics(result["forward_sync_buffers=False"]["trained"], hand_computed([rank] * 3))
+
+
+def test_synchronized_batch_norm_through_ddp_gives_every_rank_the_statistics_of_the_global_batches(
+        batch_norm_through_ddp):
+    from common.demos import ddp_batch_norm_batch, running_statistics
+
+    global_batches = [torch.cat([ddp_batch_norm_batch(rank, step) for rank in range(2)])
+                      for step in range(DDP_BATCH_NORM_STEPS)]
+    for result in batch_norm_through_ddp:
+        assert_statistics(result["synchronized (common/batchnorm.py)"]["trained"], running_statistics(global_batches))
+
+
+def test_evaluating_through_the_ddp_wrapper_gives_every_rank_rank_0s_statistics(batch_norm_through_ddp):
+    for result in batch_norm_through_ddp:
+        # The eval forward starts with the broadcast of rank 0's buffers; BatchNorm in eval mode changes nothing.
+        assert_statistics(result["forward_sync_buffers=True"]["evaluated_through_ddp"], hand_computed([0, 0, 0]))
+    # Without the broadcast, each rank evaluates its shard with its own statistics.
+    assert_statistics(batch_norm_through_ddp[1]["forward_sync_buffers=False"]["evaluated_through_ddp"],
+                      hand_computed([1, 1, 1]))
+
+
+def test_ddp_refuses_sync_batch_norm_on_cpu_in_this_pytorch(batch_norm_through_ddp):
+    # When PyTorch supports SyncBatchNorm on CPUs this fails: the lesson and common/batchnorm.py need updating.
+    for result in batch_norm_through_ddp:
+        assert result["sync_batchnorm_on_cpu"] == "ValueError: SyncBatchNorm layers only work with GPU modules"
+
+
+BUCKET_CONFIGURATIONS = {"default": {}, "bucket_cap_mb=0.3": {"bucket_cap_mb": 0.3},
+                         "find_unused_parameters=True": {"find_unused_parameters": True}}
+MiB = 2 ** 20
+
+
+@pytest.fixture(scope="module")
+def buckets():
+    """Rank 0's buckets, step by step, from one 2-rank run of ``common.demos.ddp_buckets``."""
+    from common.demos import ddp_buckets
+
+    return run_on_ranks(ddp_buckets, 2, BUCKET_CONFIGURATIONS, timeout=120)[0]
+
+
+def mlp_parameter_bytes():
+    """The bytes of each parameter of ``ddp_buckets``' MLP, in ``model.parameters()`` order."""
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))
+    return {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+
+
+def cut_greedily(names, caps):
+    """DDP's rule, written again: fill a bucket in the order given and close it once its bytes reach its cap
+    (``caps[i]`` for bucket i, the last cap for every later one)."""
+    sizes, buckets, current, total = mlp_parameter_bytes(), [], [], 0
+    for name in names:
+        current, total = current + [name], total + sizes[name]
+        if total >= caps[min(len(buckets), len(caps) - 1)]:
+            buckets, current, total = buckets + [current], [], 0
+    return buckets + [current] if current else buckets
+
+
+def bucket_contents(step):
+    assert [bucket["index"] for bucket in step] == list(range(len(step)))  # launched in index order
+    sizes = mlp_parameter_bytes()
+    assert all(bucket["bytes"] == sum(sizes[name] for name in bucket["parameters"]) for bucket in step)
+    return [bucket["parameters"] for bucket in step]
+
+
+def test_ddp_default_bucket_caps_are_1_mib_for_the_first_bucket_and_25_mib_after(buckets):
+    import torch.distributed as dist
+
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == MiB
+    assert buckets["default"]["bucket_cap_bytes"] == 25 * MiB
+    assert buckets["bucket_cap_mb=0.3"]["bucket_cap_bytes"] == int(0.3 * MiB)
+
+
+def test_ddp_all_reduces_every_gradient_in_one_bucket_in_the_first_step(buckets):
+    for name in ("default", "bucket_cap_mb=0.3"):
+        assert bucket_contents(buckets[name]["steps"][0]) == [list(mlp_parameter_bytes())]
+
+
+def test_ddp_rebuilds_its_buckets_after_the_first_step_in_the_order_gradients_became_ready(buckets):
+    default, small = buckets["default"], buckets["bucket_cap_mb=0.3"]
+    assert default["ready_order"][:2] == ["5.bias", "5.weight"]  # the last layer's gradients come first
+    # Default: a first bucket closed at 1 MiB (here 4 layers, 1.004 MiB), then 25 MiB ones (the 2 layers left).
+    assert bucket_contents(default["steps"][1]) == cut_greedily(default["ready_order"], [MiB, 25 * MiB])
+    assert len(default["steps"][1]) == 2
+    # An explicit bucket_cap_mb caps the first bucket too: three buckets of 2 layers (514 KiB >= 0.3 MiB).
+    assert bucket_contents(small["steps"][1]) == cut_greedily(small["ready_order"], [int(0.3 * MiB)])
+    assert len(small["steps"][1]) == 3
+
+
+def test_with_find_unused_parameters_ddp_cuts_buckets_from_the_first_parameter_reverses_them_and_never_rebuilds(
+        buckets):
+    # Cut from model.parameters() in order, the first cut (the first layers) at 1 MiB, then reversed: the bucket
+    # with the last layers goes first. The same buckets at every step.
+    expected = cut_greedily(list(mlp_parameter_bytes()), [MiB, 25 * MiB])[::-1]
+    for step in buckets["find_unused_parameters=True"]["steps"]:
+        assert bucket_contents(step) == expected
+
+
 def gradients_against_an_unrelated_all_reduce(env):
     """Rank 0 runs DDP's gradient all-reduce; rank 1, one of its own of the same size and dtype."""
     set_seed(0)
