@@ -42,7 +42,8 @@ def parse_args(argv=None):
                         help="per device: the global batch is this times the number of processes")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed training steps per mode")
     parser.add_argument("--warmup-steps", type=non_negative_int, default=3,
-                        help="untimed steps first (allocations, cuDNN autotuning)")
+                        help="untimed steps first: first allocations, kernels and library handles loaded on first "
+                             "use, DDP's bucket rebuild (in its second step)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: NCCL if every process has a GPU")
     parser.add_argument("--results-dir", type=Path, default=Path("runs/08_dp_vs_ddp"),
@@ -96,8 +97,9 @@ def measure_ddp(model_class, X, y, args, env) -> dict:
     net = DDP(model, device_ids=[env.device] if env.device.type == "cuda" else None)
     X, y = X.to(env.device), y.to(env.device)
     timing = measure(net, [(X, y)] * (args.warmup_steps + args.steps), env.device, args.warmup_steps)
-    # The slowest rank sets the pace: every step waits for every rank's gradients.
-    seconds = torch.tensor(timing["seconds"])
+    # The slowest rank sets the pace: every step waits for every rank's gradients. The tensor lives on this
+    # process's device: NCCL reduces CUDA tensors only, and a CPU tensor here stops a GPU run.
+    seconds = torch.tensor(timing["seconds"], device=env.device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     per_rank = [None] * env.world_size
     dist.all_gather_object(per_rank, (f"{env.device} (rank {env.rank})", timing["peak_memory_mib"]))
@@ -123,8 +125,6 @@ def measure_dataparallel(model_class, X, y, device_ids, args) -> dict:
     net = nn.DataParallel(model_class(num_classes=NUM_CLASSES).to(f"cuda:{device_ids[0]}"), device_ids=device_ids)
     X, y = X.to(f"cuda:{device_ids[0]}"), y.to(f"cuda:{device_ids[0]}")  # the whole batch on GPU 0, as users do
     devices = [torch.device(f"cuda:{i}") for i in device_ids]
-    for device in devices[1:]:
-        reset_peak_memory(device)
     timing = measure(net, [(X, y)] * (args.warmup_steps + args.steps), devices[0], args.warmup_steps,
                      other_devices=devices[1:])
     return {"mode": "DataParallel", "processes": 1, "devices": [str(device) for device in devices],
@@ -137,7 +137,8 @@ def measure(net, batches, device, warmup_steps: int, other_devices=()) -> dict:
     """Train ``net`` with SGD on ``batches``; time the steps after the first ``warmup_steps``.
 
     Returns ``{"seconds", "samples", "steps", "peak_memory_mib"}`` for the timed steps only; the peak memory is
-    ``device``'s, measured from the first timed step.
+    ``device``'s, measured from the first timed step. The peak of each of ``other_devices`` is reset at the same
+    moment, so that ``peak_memory_mib(other)`` read afterwards covers the same steps.
     """
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     net.train()
@@ -146,7 +147,7 @@ def measure(net, batches, device, warmup_steps: int, other_devices=()) -> dict:
         if step == warmup_steps:
             for each in (device, *other_devices):
                 synchronize(each)  # CUDA is asynchronous: finish the warm-up before the clock starts
-            reset_peak_memory(device)
+                reset_peak_memory(each)  # every device's peak from the same step on, warm-up left out
             start = time.perf_counter()
         loss = F.cross_entropy(net(X), y)
         optimizer.zero_grad(set_to_none=True)

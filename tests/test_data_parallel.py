@@ -1,5 +1,7 @@
 """nn.DataParallel's forward pass, by hand (common.data_parallel), against the whole batch on one device."""
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,41 @@ def test_replicas_gradients_sum_into_the_original_parameters(replicas):
     assert sorted(sizes) == sorted(len(chunk) for chunk in torch.arange(8).chunk(replicas))
     torch.testing.assert_close(loss, whole_loss)
     torch.testing.assert_close(grads, whole_grads)
+
+
+class ScaleWhileTheOtherReplicaRuns(nn.Module):
+    """``X * weight``, the weight read while both replicas' threads are inside ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, X):
+        BOTH_REPLICAS_INSIDE.wait(timeout=30)  # both threads have set up their replica and started
+        weight = self.weight
+        SEEN_WEIGHTS.append(weight)
+        BOTH_REPLICAS_INSIDE.wait(timeout=30)  # neither thread has finished (and tidied up) before both read
+        return X * weight
+
+
+BOTH_REPLICAS_INSIDE = threading.Barrier(2)
+SEEN_WEIGHTS = []
+
+
+def test_two_replicas_run_at_once_in_threads_each_on_its_own_copy_of_the_parameters():
+    # "cpu:0" and "cpu:1" make real copies, as two GPUs would: each replica must read its own copy of the weight,
+    # not the other thread's nor the original, and the module must hold its own parameter afterwards.
+    SEEN_WEIGHTS.clear()
+    model = ScaleWhileTheOtherReplicaRuns()
+    original = model.weight
+    X = torch.arange(4.0)
+    out = data_parallel_forward(model, X, ["cpu:0", "cpu:1"])
+    out.sum().backward()
+    assert model.weight is original, "the call left a replica's tensor in the module"
+    assert len(SEEN_WEIGHTS) == 2 and SEEN_WEIGHTS[0] is not SEEN_WEIGHTS[1], "both replicas read the same tensor"
+    assert all(weight is not original for weight in SEEN_WEIGHTS), "a replica read the original, not its copy"
+    torch.testing.assert_close(out, X * 3.0)
+    torch.testing.assert_close(original.grad, X.sum())  # both replicas' gradients reach the original
 
 
 def test_a_wrong_gather_order_is_caught():

@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from common.distributed import DistEnv
+from common.models import LeNet
 from tests.conftest import PYTHON, lab_path, load_script, run_command, torchrun
 
 LAB = "08_dp_vs_ddp"
@@ -55,6 +57,41 @@ def test_measure_with_no_step_left_to_time_says_so():
     lab = load_script(lab_path(LAB))
     with pytest.raises(ValueError, match="no step to time"):
         lab.measure(nn.Linear(4, 3), batches(2), torch.device("cpu"), warmup_steps=2)
+
+
+def test_measure_resets_every_devices_peak_memory_when_the_clock_starts(monkeypatch):
+    # DataParallel's figures for GPUs 1..N-1 must cover the same steps as GPU 0's: no warm-up in any of them.
+    lab = load_script(lab_path(LAB))
+    model = SlowFirstCalls(slow_calls=0, pause=0)
+    resets = []
+    monkeypatch.setattr(lab, "reset_peak_memory", lambda device: resets.append((str(device), model.calls)))
+    lab.measure(model, batches(4), torch.device("cpu", 0), warmup_steps=2, other_devices=[torch.device("cpu", 1)])
+    assert sorted(resets) == [("cpu:0", 2), ("cpu:1", 2)], "each device once, after the 2 warm-up forwards"
+
+
+class StopAtTheCollective(Exception):
+    pass
+
+
+def test_ddp_hands_the_collective_a_tensor_on_the_process_device(monkeypatch):
+    # NCCL reduces CUDA tensors only, so a tensor left on the CPU stops a GPU run at its first collective. Without
+    # a GPU, the "meta" device stands in for the process's GPU, and the collective records where its tensor is.
+    lab = load_script(lab_path(LAB))
+    devices = []
+
+    def all_reduce(tensor, *args, **kwargs):
+        devices.append(tensor.device)
+        raise StopAtTheCollective  # a meta tensor holds no value to go on with
+
+    monkeypatch.setattr(lab.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(lab, "DDP", lambda model, device_ids: model)  # no process group needed
+    monkeypatch.setattr(lab, "measure", lambda *args, **kwargs: {"seconds": 1.0, "samples": 8, "steps": 1,
+                                                                  "peak_memory_mib": 1.0})
+    env = DistEnv(rank=0, local_rank=0, world_size=1, backend="nccl", device=torch.device("meta"))
+    X, y = torch.randn(8, *LeNet.input_shape), torch.zeros(8, dtype=torch.long)
+    with pytest.raises(StopAtTheCollective):
+        lab.measure_ddp(LeNet, X, y, lab.parse_args(QUICK), env)
+    assert devices == [torch.device("meta")]
 
 
 def test_two_processes_measure_ddp_and_say_why_dataparallel_did_not_run(tmp_path):
