@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from common.fault_tolerance import list_checkpoints, read_verified
-from tests.conftest import PYTHON, REPO, lab_path, run_command
+from tests.conftest import PYTHON, REPO, TORCHRUN, lab_path, run_command
+from tests.fake_datasets import write_fashion_mnist
 
 LAB = "05_multi_node"
 REHEARSE = REPO / "scripts" / "rehearse_two_nodes.py"
@@ -74,6 +75,54 @@ def test_a_crash_with_max_restarts_resumes_to_bit_identical_parameters(two_nodes
     assert all(torch.equal(resumed[name], expected[name]) for name in expected), "not bit-identical"
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["restarts"] == 1 and metrics["epochs_run"] == [1, 2]  # the history survived the crash
+
+
+# Dropout (SimpleCNN) draws from the global RNG at every step, so one draw more or less anywhere in a resumed run
+# shifts every later mask, and the parameters differ. Each case is one crash, 2 processes, --max-restarts 1:
+# - "digits-mid-epoch": in-memory tensors (TensorBatchLoader), 1 epoch of 4 steps, checkpoints every 2 steps; the
+#   crash at step 3 resumes from step 2, in the middle of the epoch (the loop skips the 2 batches done).
+# - "fashion-mnist-epoch-boundary": Fashion-MNIST files through DataLoader with 2 persistent workers per loader,
+#   2 epochs of 2 steps; the crash at step 3 resumes from the end-of-epoch checkpoint at step 2. Before the loaders
+#   had a generator of their own, this one failed: the resumed run's first iterator drew its workers' base seed
+#   from the global RNG, once more than the uninterrupted run had at that point.
+DROPOUT = ["--model", "simplecnn", "--batch-size", "8", "--lr", "0.01", "--checkpoint-every", "2"]
+RESUME_CASES = {
+    "digits-mid-epoch": (["--dataset", "digits", "--epochs", "1", "--max-steps", "4"], 3,
+                         "epoch 0, step 2, batch 2 of the epoch"),
+    "fashion-mnist-epoch-boundary": (["--dataset", "fashion-mnist", "--data-dir", "{data}", "--num-workers", "2",
+                                      "--epochs", "2", "--max-steps", "2"], 3, "epoch 1, step 2, batch 0 of the epoch"),
+}
+
+
+def torchrun_restartable(*args, timeout=240):
+    """2 processes on this machine, restarted once if one fails, as the lesson's fault drill runs them."""
+    return run_command([TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", lab_path(LAB),
+                        *args], timeout=timeout, env_extra={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+
+
+@pytest.fixture(scope="module", params=list(RESUME_CASES))
+def dropout_run(request, tmp_path_factory):
+    """The uninterrupted run of one case: (case, its arguments, the run, the folder of its checkpoints)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    write_fashion_mnist(folder / "data", train_size=64, test_size=16)
+    args = [str(arg).replace("{data}", str(folder / "data")) for arg in DROPOUT + RESUME_CASES[request.param][0]]
+    return request.param, args, torchrun_restartable(*args, "--checkpoint-dir", folder / "ckpt"), folder / "ckpt"
+
+
+def test_with_dropout_a_crash_resumes_to_bit_identical_parameters_mid_epoch_and_at_an_epoch_boundary(
+        dropout_run, tmp_path):
+    case, args, reference, reference_folder = dropout_run
+    assert reference.returncode == 0, reference.output[-4000:]
+    _, fail_at, resumed_at = RESUME_CASES[case]
+    run = torchrun_restartable(*args, "--checkpoint-dir", tmp_path / "ckpt", "--fail-at-step", fail_at)
+    assert run.returncode == 0, run.output[-4000:]
+    assert f"--fail-at-step {fail_at}: rank 1 fails on purpose" in run.output
+    assert f"resumed from {tmp_path / 'ckpt' / 'step_00000002.pt'}: {resumed_at}" in run.stdout
+    expected_step, expected = final_model(reference_folder)
+    step, resumed = final_model(tmp_path / "ckpt")
+    assert step == expected_step == 4 and expected.keys() == resumed.keys()
+    different = [name for name in expected if not torch.equal(resumed[name], expected[name])]
+    assert not different, f"{len(different)} of {len(expected)} tensors differ: {different}"
 
 
 def test_without_restarts_a_failure_ends_every_process_promptly_and_names_the_rank(tmp_path):
