@@ -13,7 +13,8 @@ import subprocess
 import pytest
 import torch
 
-from tests.conftest import NO_NETWORK, PYTHON, REPO, TORCHRUN, lab_path, run_command, torchrun
+from tests.conftest import NO_NETWORK, PYTHON, REPO, TORCHRUN, lab_path, load_script, run_command, torchrun
+from tests.fake_datasets import write_fashion_mnist
 
 SCRIPT = lab_path("01_ddp_basic")
 # Over seeds 0-3 on a 2-core CPU, 5 epochs on digits with 2 processes reach 94.4-97.5% test accuracy; one
@@ -56,6 +57,52 @@ def test_a_resumed_run_continues_from_the_saved_epoch_and_reaches_the_accuracy(t
     state = torch.load(folder / "ckpt" / "checkpoint.pt", weights_only=True)
     assert state["epoch"] == 5 and state["step"] == 5 * 12  # 719 images per rank, 64 per batch: 12 steps
     assert [p.name for p in (folder / "ckpt").iterdir()] == ["checkpoint.pt"]  # no temporary files left
+
+
+def differing_tensors(state, reference):
+    """Names of the model's and the optimizer's (momentum) tensors that are not bit-identical to the reference."""
+    names = [name for name in reference["model"] if not torch.equal(state["model"][name], reference["model"][name])]
+    return names + [f"momentum {index}" for index, buffers in reference["optimizer"]["state"].items()
+                    if not torch.equal(state["optimizer"]["state"][index]["momentum_buffer"], buffers["momentum_buffer"])]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The 5 epochs of `trained` in one run: its final checkpoint."""
+    folder = tmp_path_factory.mktemp("ddp_uninterrupted")
+    run = torchrun(SCRIPT, "--dataset", "digits", "--epochs", "5", "--checkpoint-dir", folder)
+    assert run.returncode == 0, run.output
+    return torch.load(folder / "checkpoint.pt", weights_only=True)
+
+
+def test_resuming_lenet_on_2_processes_ends_bit_identical_to_the_uninterrupted_run(trained, uninterrupted):
+    # LeNet draws no random numbers while training, and set_epoch(epoch) rebuilds each remaining epoch's order.
+    folder, _, resumed = trained
+    assert resumed.returncode == 0, resumed.output
+    state = torch.load(folder / "ckpt" / "checkpoint.pt", weights_only=True)
+    assert (state["epoch"], state["step"]) == (uninterrupted["epoch"], uninterrupted["step"]) == (5, 60)
+    assert differing_tensors(state, uninterrupted) == []
+
+
+@pytest.mark.parametrize("model, differs", [("lenet", False), ("simplecnn", True)])
+def test_a_resumed_run_is_bit_identical_without_dropout_and_a_different_run_with_it(tmp_path, model, differs):
+    # The checkpoint holds no RNG state: a resumed run draws its dropout masks from set_seed(seed, rank) again,
+    # the masks of the run's first steps, not those the uninterrupted run draws next. In-process, a world of one,
+    # on Fashion-MNIST files of 64 + 16 images (a test set that small keeps each epoch's evaluation cheap).
+    lab = load_script(SCRIPT)
+    write_fashion_mnist(tmp_path / "data", train_size=64, test_size=16)
+    quick = ["--dataset", "fashion-mnist", "--data-dir", str(tmp_path / "data"), "--num-workers", "0",
+             "--model", model, "--batch-size", "16", "--max-steps", "2", "--lr", "0.01"]
+
+    def final_state(folder, *extra):
+        lab.main(lab.parse_args([*quick, "--checkpoint-dir", str(folder), *extra]))
+        return torch.load(folder / "checkpoint.pt", weights_only=True)
+
+    final_state(tmp_path / "resumed", "--epochs", "1")
+    resumed = final_state(tmp_path / "resumed", "--epochs", "2", "--resume")
+    reference = final_state(tmp_path / "uninterrupted", "--epochs", "2")
+    assert resumed["step"] == reference["step"] == 4
+    assert bool(differing_tensors(resumed, reference)) == differs, differing_tensors(resumed, reference)
 
 
 @pytest.mark.parametrize("nproc", [1, 3, 4])
