@@ -1,45 +1,40 @@
-"""Sharded data parallelism: FSDP2 applied to a model, and the sharded checkpoints of such a run.
+"""Sharded data parallelism: the plumbing around FSDP2 and its sharded checkpoints, and lesson 06's measurements.
 
-Lesson 06 builds this. The order matters, as in torchtitan's ``apply_fsdp``:
+Lesson 06's subject itself, sharding a model (``fully_shard`` on every block, then the root) and saving and
+loading its sharded checkpoints with ``torch.distributed.checkpoint``, is written out once, in
+``solutions/03_fsdp.py`` (``shard_model``, ``save_checkpoint``, ``load_checkpoint``); the tests and the
+measurements here run those functions (``common.launch.load_script``), never a copy. The order matters, as in
+torchtitan's ``apply_fsdp``:
 
-    mesh = make_mesh(env)                            # a 1-D DeviceMesh over all ranks
-    apply_fsdp(model, mesh, reshard_after_forward=True)   # every block, then the root
-    optimizer = torch.optim.Adam(model.parameters())  # AFTER sharding: it must see the DTensor shards
+    net = shard_model(model, env, "full")             # on make_mesh(env): every block, then the root
+    optimizer = torch.optim.Adam(net.parameters())    # AFTER sharding: it must see the DTensor shards
 
 ``fully_shard`` replaces each parameter by a DTensor that holds 1/N of it (rows split along dim 0) on each
 rank. In forward and backward it all-gathers one block's parameters just before that block runs, and in
 backward it reduce-scatters the gradients, so each rank keeps only the gradient of its own shard, averaged
-over ranks.
-
-Checkpoints go through ``torch.distributed.checkpoint`` (DCP): every rank writes its own shards, in parallel,
-and the saved plan records which slice of which tensor each file holds, so a run at another world size can
-load it (DCP reshards on load). ``export_full_state_dict`` gathers a plain, unsharded ``state_dict`` for a
-model without any wrapper.
+over ranks. ``export_full_state_dict`` gathers a plain, unsharded ``state_dict`` for a model without any wrapper.
 """
 
-import os
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import atomic_write
 from common.distributed import is_main
+from common.launch import load_script
 from common.memory import local_bytes, training_state_bytes
 from common.metrics import reset_peak_memory
 from common.models import DeepMLP
 
+SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "03_fsdp.py"  # lesson 06's shard_model and checkpoints
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 STRATEGIES = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full")  # what measure_model_state compares
 
@@ -63,27 +58,6 @@ def mixed_precision_policy(precision: str = "fp32") -> MixedPrecisionPolicy:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}")
     dtype = PRECISIONS[precision]
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
-
-
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True,
-               mp_policy: MixedPrecisionPolicy | None = None, offload_policy=None) -> nn.Module:
-    """Shard ``model`` in place with FSDP2: ``fully_shard`` on each of ``model.blocks``, then on the model.
-
-    Each block becomes one communication unit (one all-gather in forward, one reduce-scatter in backward); the
-    root call takes the remaining parameters (stem, head). Bottom-up order is required: the root call skips
-    parameters that an inner call already owns. ``reshard_after_forward=True`` frees each block's gathered
-    parameters after its forward and gathers them again in backward (ZeRO-3); ``False`` keeps them until
-    backward (ZeRO-2-like: more memory, one all-gather fewer). Returns the model, now an ``FSDPModule``.
-    """
-    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
-    if mp_policy is not None:
-        options["mp_policy"] = mp_policy
-    if offload_policy is not None:
-        options["offload_policy"] = offload_policy
-    for block in getattr(model, "blocks", []):
-        fully_shard(block, **options)
-    fully_shard(model, **options)
-    return model
 
 
 def force_sum_reduction(model: nn.Module) -> None:
@@ -140,46 +114,6 @@ def latest_checkpoint(checkpoint_dir) -> Path | None:
     return found[-1] if found else None
 
 
-def save_sharded(path, model: nn.Module, optimizer: torch.optim.Optimizer, **progress) -> None:
-    """Save model and optimizer as DCP shards in folder ``path``, plus numbers in ``progress`` (epoch, step).
-
-    Call on every rank: each writes the shards it holds. The folder is written under a temporary name and
-    renamed by global rank 0 once every rank has finished, so a crash never leaves a half checkpoint under
-    the real name. All ranks must see the same file system (one machine, or shared storage).
-    """
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    if is_main():
-        shutil.rmtree(partial, ignore_errors=True)
-    dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # sharded: DTensors stay DTensors
-    dcp.save({"model": model_state, "optimizer": optimizer_state, "progress": progress}, checkpoint_id=partial)
-    dist.barrier()  # every rank has written its files before the rename
-    if is_main():
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(partial, path)
-    dist.barrier()
-
-
-def load_sharded(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load a checkpoint written by ``save_sharded`` into ``model`` (and ``optimizer``); return its progress.
-
-    The world size may differ from the saving run's: each rank asks DCP for the slices its own shards cover,
-    whoever wrote them. Call on every rank, after sharding the model and building the optimizer.
-    """
-    optimizers = [optimizer] if optimizer is not None else []
-    model_state, optimizer_state = get_state_dict(model, optimizers)  # the layout to fill, already sharded
-    # DCP fills the entries of the dict it is given: ask for every number the checkpoint holds under "progress".
-    saved = dcp.FileSystemReader(Path(path)).read_metadata().state_dict_metadata
-    progress = {key.split(".", 1)[1]: None for key in saved if key.startswith("progress.")}
-    state = {"model": model_state, "progress": progress}
-    if optimizer is not None:
-        state["optimizer"] = optimizer_state
-    dcp.load(state, checkpoint_id=Path(path))
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
-    return state["progress"]
-
-
 def export_full_state_dict(path, model: nn.Module) -> None:
     """Gather the whole model into one plain ``state_dict`` and have global rank 0 save it to ``path``.
 
@@ -193,25 +127,25 @@ def export_full_state_dict(path, model: nn.Module) -> None:
     dist.barrier()
 
 
-def measure_model_state(env, strategy: str, width: int = 512, depth: int = 4, batch_size: int = 32) -> dict:
+def measure_model_state(env, strategy: str, script=SOLUTION, width: int = 512, depth: int = 4,
+                        batch_size: int = 32) -> dict:
     """Apply ``strategy`` to a ``DeepMLP``, take one Adam step, and return what this rank holds, in bytes.
 
     ``strategy``: ``ddp`` (every rank a replica, ZeRO stage 0), ``zero1`` (DDP with
     ``ZeroRedundancyOptimizer``: optimizer states partitioned), ``fsdp-grad-op`` and ``fsdp-full`` (FSDP2 with
-    ``reshard_after_forward`` False and True). The result has ``training_state_bytes``'s keys, plus
+    ``reshard_after_forward`` False and True). The model is wrapped by ``shard_model`` of ``script``: lesson 06's
+    solution, or your ``labs/03_fsdp.py``. The result has ``training_state_bytes``'s keys, plus
     ``after_forward`` (parameter bytes held between the forward and the backward) and, on a GPU,
     ``cuda_peak_mib`` (``torch.cuda.max_memory_allocated`` over the step, activations included). Call on every
     rank of a process group, for example through ``common.launch.run_on_ranks``.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
+    shard_model = load_script(script).shard_model
     reset_peak_memory(env.device)
     torch.manual_seed(0)
     model = DeepMLP(width=width, depth=depth).to(env.device)
-    if strategy.startswith("fsdp"):
-        net = apply_fsdp(model, make_mesh(env), reshard_after_forward=strategy == "fsdp-full")
-    else:
-        net = DDP(model, device_ids=[env.device] if env.device.type == "cuda" else None)
+    net = shard_model(model, env, {"fsdp-full": "full", "fsdp-grad-op": "grad-op"}.get(strategy, "none"))
     if strategy == "zero1":
         optimizer = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam)
     else:
@@ -229,6 +163,6 @@ def measure_model_state(env, strategy: str, width: int = 512, depth: int = 4, ba
     return result
 
 
-def measure_strategies(env, strategies=STRATEGIES) -> dict:
+def measure_strategies(env, strategies=STRATEGIES, script=SOLUTION) -> dict:
     """``measure_model_state`` for each of ``strategies`` in turn, in one process group: ``{strategy: bytes}``."""
-    return {strategy: measure_model_state(env, strategy) for strategy in strategies}
+    return {strategy: measure_model_state(env, strategy, script) for strategy in strategies}

@@ -5,9 +5,11 @@ process, such as a test comparing a 2-process run with a 1-process reference, or
 processes rendezvous through a file (no port to collide on), and a deadline turns a hang into an error.
 
 The function must be importable (defined in a module, not in a notebook or a ``__main__`` script): each
-process is a fresh interpreter ("spawn") that finds it by module and name.
+process is a fresh interpreter ("spawn") that finds it by module and name. A script's functions reach the
+processes through ``load_script``, called inside the function they run.
 """
 
+import importlib.util
 import multiprocessing
 import os
 import tempfile
@@ -66,6 +68,19 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 60.0):
         if failed:
             raise RuntimeError(f"rank(s) exited with non-zero codes {failed}")
         return [torch.load(tmp / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
+
+
+def load_script(path):
+    """Import a script that is not part of a package (its name may start with a digit), by its path.
+
+    This is how tests, notebooks and measurements run a solution's own functions (``solutions/03_fsdp.py``'s
+    ``shard_model``, say) instead of a copy of them.
+    """
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem.replace("-", "_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _worker(fn, rank, world_size, tmp, args, timeout):

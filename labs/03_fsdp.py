@@ -1,7 +1,7 @@
 """Lab 03 (lesson 06): shard the model with FSDP2 (ZeRO-3), and checkpoint it in shards with DCP.
 
 YOUR TASK: fill in the three TODOs. In ``shard_model``, shard the model with ``fully_shard``: each block of
-``model.blocks``, then the root, on the mesh, honouring ``--sharding`` and ``--precision``. In
+``model.blocks``, then the root, on the mesh, honouring ``--sharding``, ``--precision`` and ``--cpu-offload``. In
 ``save_checkpoint`` and ``load_checkpoint``, save and load the sharded model and optimizer with
 ``torch.distributed.checkpoint``, in a way that a run at another world size can load. Everything else (DDP for
 ``--sharding none``, loaders, the loop, evaluation, memory figures, metrics) is done for you. Check your work with
@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -69,6 +69,8 @@ def parse_args(argv=None):
                         help="full: ZeRO-3; grad-op: keep gathered parameters until backward; none: DDP")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                         help="bf16: compute in bf16 (MixedPrecisionPolicy); shards and optimizer stay fp32")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="keep shards, gradients and Adam's states in CPU memory (CPUOffloadPolicy)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save a sharded (DCP) checkpoint here after every epoch")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     args = parser.parse_args(argv)
@@ -76,6 +78,8 @@ def parse_args(argv=None):
         parser.error("--resume needs --checkpoint-dir")
     if args.precision != "fp32" and args.sharding == "none":
         parser.error("--precision bf16 goes through FSDP2's MixedPrecisionPolicy: use --sharding full or grad-op")
+    if args.cpu_offload and args.sharding == "none":
+        parser.error("--cpu-offload goes through FSDP2's CPUOffloadPolicy: use --sharding full or grad-op")
     return args
 
 
@@ -87,14 +91,18 @@ def main(args):
         teardown_distributed()
 
 
-def shard_model(model, env, sharding: str, precision: str = "fp32"):
-    """Apply the data parallelism that ``sharding`` names to ``model`` (in place); return the model to train."""
+def shard_model(model, env, sharding: str, precision: str = "fp32", offload: bool = False):
+    """Apply the data parallelism that ``sharding`` names to ``model`` (in place); return the model to train.
+
+    ``offload``: FSDP2 keeps the shards, their gradients and Adam's states in CPU memory and steps on the CPU.
+    """
     if sharding == "none":
         return DDP(model, device_ids=[env.device] if env.device.type == "cuda" else None)
     mesh = make_mesh(env)  # 1-D: all ranks shard every parameter among themselves
     # TODO: fully_shard each block of model.blocks (if it has them), then the root model, on `mesh`. --sharding
     # full frees a block's gathered parameters after its forward, grad-op keeps them until its backward
-    # (reshard_after_forward), and --precision picks the policy (common.fsdp.mixed_precision_policy).
+    # (reshard_after_forward), --precision picks the policy (common.fsdp.mixed_precision_policy), and offload
+    # asks for CPUOffloadPolicy (pin_memory needs a CUDA driver: only on a GPU) instead of OffloadPolicy().
     raise NotImplementedError("shard the model with fully_shard")
     return model
 
@@ -129,7 +137,7 @@ def train(args, env):
     set_seed(args.seed)  # the same full model on every rank, before it is cut into shards
     model = model_class(num_classes=data.num_classes).to(env.device)
     num_parameters = sum(p.numel() for p in model.parameters())
-    net = shard_model(model, env, args.sharding, args.precision)
+    net = shard_model(model, env, args.sharding, args.precision, args.cpu_offload)
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)  # after sharding: it holds the shards' states
 

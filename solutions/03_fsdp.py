@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -61,6 +61,8 @@ def parse_args(argv=None):
                         help="full: ZeRO-3; grad-op: keep gathered parameters until backward; none: DDP")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                         help="bf16: compute in bf16 (MixedPrecisionPolicy); shards and optimizer stay fp32")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="keep shards, gradients and Adam's states in CPU memory (CPUOffloadPolicy)")
     parser.add_argument("--checkpoint-dir", type=Path, help="save a sharded (DCP) checkpoint here after every epoch")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     args = parser.parse_args(argv)
@@ -68,6 +70,8 @@ def parse_args(argv=None):
         parser.error("--resume needs --checkpoint-dir")
     if args.precision != "fp32" and args.sharding == "none":
         parser.error("--precision bf16 goes through FSDP2's MixedPrecisionPolicy: use --sharding full or grad-op")
+    if args.cpu_offload and args.sharding == "none":
+        parser.error("--cpu-offload goes through FSDP2's CPUOffloadPolicy: use --sharding full or grad-op")
     return args
 
 
@@ -79,12 +83,18 @@ def main(args):
         teardown_distributed()
 
 
-def shard_model(model, env, sharding: str, precision: str = "fp32"):
-    """Apply the data parallelism that ``sharding`` names to ``model`` (in place); return the model to train."""
+def shard_model(model, env, sharding: str, precision: str = "fp32", offload: bool = False):
+    """Apply the data parallelism that ``sharding`` names to ``model`` (in place); return the model to train.
+
+    ``offload``: FSDP2 keeps the shards, their gradients and Adam's states in CPU memory and steps on the CPU.
+    """
     if sharding == "none":
         return DDP(model, device_ids=[env.device] if env.device.type == "cuda" else None)
     mesh = make_mesh(env)  # 1-D: all ranks shard every parameter among themselves
-    options = dict(mesh=mesh, reshard_after_forward=sharding == "full", mp_policy=mixed_precision_policy(precision))
+    # Pinned CPU memory speeds up the copies to a GPU, and needs a CUDA driver to exist at all.
+    offload_policy = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if offload else OffloadPolicy()
+    options = dict(mesh=mesh, reshard_after_forward=sharding == "full", mp_policy=mixed_precision_policy(precision),
+                   offload_policy=offload_policy)
     # One unit per block, so that one block at a time is gathered; then the root, bottom-up, takes what is left
     # (stem and head). Parameters become DTensors: rank r keeps chunk r of dim 0 (the last chunk may be shorter).
     for block in getattr(model, "blocks", []):  # DeepMLP's blocks; a model without them is one unit
@@ -133,7 +143,7 @@ def train(args, env):
     set_seed(args.seed)  # the same full model on every rank, before it is cut into shards
     model = model_class(num_classes=data.num_classes).to(env.device)
     num_parameters = sum(p.numel() for p in model.parameters())
-    net = shard_model(model, env, args.sharding, args.precision)
+    net = shard_model(model, env, args.sharding, args.precision, args.cpu_offload)
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)  # after sharding: it holds the shards' states
 

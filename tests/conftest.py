@@ -1,12 +1,13 @@
 """Helpers for tests that run the course's scripts for real, as a reader would."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.launch import load_script  # noqa: F401  (lab tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))  # the launcher installed beside this Python
@@ -43,15 +44,6 @@ def torchrun(script, *args, nproc: int = 2, timeout: float = 180, env_extra=None
     """``torchrun --standalone --nproc_per_node=nproc script args``, as the README tells readers to run it."""
     return run_command([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", REPO / script, *args],
                        timeout=timeout, env_extra=env_extra)
-
-
-def load_script(path):
-    """Import a script that is not part of a package (its name may start with a digit), by its path."""
-    path = Path(path)
-    spec = importlib.util.spec_from_file_location(path.stem.replace("-", "_"), path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def lab_path(name: str) -> Path:

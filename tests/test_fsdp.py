@@ -2,22 +2,22 @@
 
 Three process groups in all (world sizes 2, 1 and 4), each run once for the whole module: the world-size-2 run
 trains DDP, FSDP2 (both reshard modes) and ZeRO-1 side by side and saves a sharded checkpoint; the others load
-that checkpoint and measure what each rank holds.
+that checkpoint and measure what each rank holds. Sharding and checkpoints go through lesson 06's own functions,
+``shard_model``, ``save_checkpoint`` and ``load_checkpoint`` of ``solutions/03_fsdp.py``: what the script runs.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.distributed import replicas_in_sync
-from common.fsdp import (apply_fsdp, export_full_state_dict, force_sum_reduction, full_gradients, full_parameters,
-                         full_tensor, load_sharded, make_mesh, save_sharded)
-from common.launch import run_on_ranks
+from common.fsdp import (SOLUTION, export_full_state_dict, force_sum_reduction, full_gradients, full_parameters,
+                         full_tensor)
+from common.launch import load_script, run_on_ranks
 from common.memory import training_state_bytes, zero_bytes_per_rank
 from common.models import DeepMLP
 
@@ -53,7 +53,7 @@ def train(net, optimizer, batches):
 def model_state_of_the_big_model(env):
     """What each rank holds of the default DeepMLP under FSDP2 after one Adam step: bytes by kind."""
     torch.manual_seed(0)
-    net = apply_fsdp(DeepMLP(), make_mesh(env))
+    net = load_script(SOLUTION).shard_model(DeepMLP(), env, "full")
     optimizer = torch.optim.Adam(net.parameters())
     X, y = step_batches(env)[0]
     F.cross_entropy(net(X), y).backward()
@@ -62,6 +62,7 @@ def model_state_of_the_big_model(env):
 
 
 def side_by_side(env, checkpoint_dir):
+    fsdp = load_script(SOLUTION)
     # The collective under FSDP2's fp32 gradients: reduce-scatter with AVG. gloo's once summed (pytorch#162338).
     averaged = torch.empty(2)
     dist.reduce_scatter_single(averaged, torch.full((2 * env.world_size,), float(env.rank + 1)), op=dist.ReduceOp.AVG)
@@ -71,10 +72,9 @@ def side_by_side(env, checkpoint_dir):
     results["ddp_gradients"] = train(ddp, optimizer, step_batches(env))
     results["ddp"] = full_parameters(ddp)
 
-    for name, reshard in (("full", True), ("grad_op", False), ("force_sum", True), ("offload", True)):
-        # CPU offload keeps shards in CPU memory; pinning that memory needs a CUDA driver, so not here
-        offload = CPUOffloadPolicy(pin_memory=False) if name == "offload" else None
-        net = apply_fsdp(odd_model(), make_mesh(env), reshard_after_forward=reshard, offload_policy=offload)
+    for name, sharding in (("full", "full"), ("grad_op", "grad-op"), ("force_sum", "full"), ("offload", "full")):
+        # CPU offload keeps shards in CPU memory; on this CPU-only machine without pinning it (no CUDA driver)
+        net = fsdp.shard_model(odd_model(), env, sharding, offload=name == "offload")
         if name == "force_sum":  # the documented way around a broken AVG: reduce with SUM, then divide by N
             force_sum_reduction(net)
         optimizer = torch.optim.Adam(net.parameters(), lr=LR)  # after sharding: Adam's states are shards too
@@ -87,10 +87,10 @@ def side_by_side(env, checkpoint_dir):
     results["is_dtensor"] = isinstance(weight, DTensor) and weight.placements == (Shard(0),)
 
     # the fully sharded run's checkpoint, for the other world sizes to load, and its whole-model export
-    net = apply_fsdp(odd_model(), make_mesh(env))
+    net = fsdp.shard_model(odd_model(), env, "full")
     optimizer = torch.optim.Adam(net.parameters(), lr=LR)
     train(net, optimizer, step_batches(env))
-    save_sharded(checkpoint_dir / "sharded", net, optimizer, epoch=3, step=STEPS)
+    fsdp.save_checkpoint(checkpoint_dir / "sharded", net, optimizer, epoch=3, step=STEPS)
     export_full_state_dict(checkpoint_dir / "full.pt", net)
     results["saved"] = full_parameters(net)
     results["saved_exp_avg"] = [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()]
@@ -112,9 +112,10 @@ def side_by_side(env, checkpoint_dir):
 
 
 def reload_and_measure(env, checkpoint_dir):
-    net = apply_fsdp(odd_model(), make_mesh(env))  # a fresh model: its own initial weights, no Adam state
+    fsdp = load_script(SOLUTION)
+    net = fsdp.shard_model(odd_model(), env, "full")  # a fresh model: its own initial weights, no Adam state
     optimizer = torch.optim.Adam(net.parameters(), lr=LR)
-    progress = load_sharded(checkpoint_dir / "sharded", net, optimizer)
+    progress = fsdp.load_checkpoint(checkpoint_dir / "sharded", net, optimizer)
     return {"progress": progress, "parameters": full_parameters(net),
             "exp_avg": [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()],
             "fsdp_bytes": model_state_of_the_big_model(env)}
