@@ -21,12 +21,16 @@ continue from it, and end with the parameters an uninterrupted run would have, b
     python scripts/rehearse_two_nodes.py -- solutions/05_multi_node.py --dataset digits
 
     # a real cluster: the same line on every node; NODE0 is the first node's address, /shared is on every node
-    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint NODE0:29400 --rdzv-id job42 \
-        --max-restarts 3 solutions/05_multi_node.py --checkpoint-dir /shared/checkpoints/job42
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \
+        --rdzv-endpoint NODE0:29400 --rdzv-id job42 --max-restarts 3 solutions/05_multi_node.py \
+        --checkpoint-dir /shared/checkpoints/job42
 
     # fault drill: the last rank fails at step 30 on the first attempt; torchrun restarts all, they resume
-    torchrun --standalone --nproc-per-node 2 --max-restarts 1 solutions/05_multi_node.py --dataset digits \
-        --checkpoint-dir /tmp/drill --checkpoint-every 10 --fail-at-step 30
+    # (it resumes from checkpoints/drill: delete that folder to drill again). TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    # is read by torchrun's agent: unset, every attempt shares one store and a restart reads dead peers' addresses
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 --max-restarts 1 \
+        solutions/05_multi_node.py --dataset digits --checkpoint-dir checkpoints/drill --checkpoint-every 10 \
+        --fail-at-step 30
 """
 
 import os

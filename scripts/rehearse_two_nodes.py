@@ -31,7 +31,6 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # Workers get a store of their own on every attempt instead of sharing the agent's rendezvous store, whose
 # keys from the failed attempt make a restarted gloo group connect to dead peers (PyTorch 2.14.1, measured;
@@ -83,8 +82,8 @@ def rehearse(args, script_args: list[str]) -> int:
           f"c10d rendezvous at {args.host}:{args.port}", flush=True)
     start = time.monotonic()
     processes, threads = [], []
-    for node in range(count):
-        process = subprocess.Popen(launcher_command(node, args, script_args), cwd=REPO, stdout=subprocess.PIPE,
+    for node in range(count):  # in the caller's folder, like torchrun on a node: relative paths hold
+        process = subprocess.Popen(launcher_command(node, args, script_args), stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                    env={**RESTARTABLE, **os.environ, "PYTHONUNBUFFERED": "1"})
         processes.append(process)

@@ -1,9 +1,8 @@
 """Lab 07 (lesson 01): allreduce by hand. A ring allreduce and one-bucket gradient averaging, checked against
 PyTorch's own, then timed against a naive allreduce and ``dist.all_reduce`` over tensor sizes.
 
-    torchrun --standalone --nproc_per_node=4 solutions/07_ring_allreduce.py                  # CPU (gloo)
+    torchrun --standalone --nproc_per_node=4 solutions/07_ring_allreduce.py --plot runs/allreduce.png  # CPU (gloo)
     torchrun --standalone --nproc_per_node=4 solutions/07_ring_allreduce.py --sizes 1M 64M 256M  # 4 GPUs (NCCL)
-    torchrun --standalone --nproc_per_node=2 solutions/07_ring_allreduce.py --plot allreduce.png
 
 The implementations are in ``common/collectives.py`` (lesson 01 shows them in full); the lab version of this
 file asks you to write ``ring_all_reduce`` and ``all_reduce_gradients`` yourself.

@@ -1,8 +1,10 @@
 """The benchmarks run for real on small settings and print what they promise."""
 
+import re
+
 import pytest
 
-from tests.conftest import PYTHON, REPO, TORCHRUN, run_command
+from tests.conftest import PYTHON, REPO, TORCHRUN, load_script, run_command
 
 
 def test_the_scaling_benchmark_prints_a_row_per_process_count():
@@ -36,3 +38,46 @@ def test_the_mixed_precision_benchmark_prints_a_row_per_precision_and_bf16_saves
     # SimpleCNN at 16 images: what bf16 saves on activations (2 bytes, not 4) outweighs its bf16 weight copies;
     # at 1 image it does not (the lesson's table).
     assert float(bf16[4]) < float(fp32[4])
+
+
+def test_the_teardown_benchmark_prints_a_row_per_condition_and_fishers_p_value():
+    run = run_command([PYTHON, REPO / "benchmarks/teardown_pause.py", "--runs", "1", "--progress", "0"], timeout=300)
+    assert run.returncode == 0, run.output
+    *_, header, with_pause, without, fisher = run.stdout.strip().splitlines()
+    assert header.split()[:4] == ["condition", "runs", "aborts", "other"]
+    for row, name in ((with_pause, "with pause"), (without, "without")):
+        runs, aborts, other = row.removeprefix(name).split()[:3]
+        assert (runs, other) == ("1", "0") and aborts in ("0", "1"), run.stdout  # each job ran, cleanly or aborted
+    assert fisher.startswith("Fisher's exact test, two-sided: p = ") and 0 <= float(fisher.split()[-1]) <= 1
+
+
+def test_the_teardown_benchmark_counts_an_abort_at_exit_from_torchruns_report():
+    benchmark = load_script(REPO / "benchmarks/teardown_pause.py")
+    assert benchmark.outcome(0, "") == "clean"
+    assert benchmark.outcome(1, "terminate called without an active exception\n") == "abort"
+    # torchrun's report when a worker died by SIGABRT, as it printed it here
+    assert benchmark.outcome(1, "  exitcode  : -6 (pid: 7040)  (SIGABRT)\n") == "abort"
+    assert benchmark.outcome(1, "  exitcode  : 1 (pid: 7040)\n") == "other failure"
+
+
+def test_the_restart_drill_repeats_the_fault_drill_exactly_as_the_solution_prints_it():
+    """The drill itself runs in tests/test_documented_commands.py; here, that the benchmark runs that same line."""
+    source = (REPO / "solutions/05_multi_node.py").read_text()
+    unwrapped = re.sub(r"\\\n\s*", " ", source)  # a shell's line continuation, done independently of the benchmark
+    documented = next(" ".join(line.split()) for line in unwrapped.splitlines()
+                      if "--fail-at-step" in line and "--max-restarts" in line and "--standalone" in line)
+    with_variable = run_command([PYTHON, REPO / "benchmarks/restart_drill.py", "--print-command"], timeout=60)
+    without = run_command([PYTHON, REPO / "benchmarks/restart_drill.py", "--print-command", "--without-variable"],
+                          timeout=60)
+    assert with_variable.returncode == 0 and without.returncode == 0, with_variable.output + without.output
+    assert with_variable.stdout.strip() == documented
+    assert documented.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ")
+    assert without.stdout.strip() == documented.removeprefix("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ")
+
+
+def test_the_restart_drill_reports_why_a_run_failed_not_the_intended_failure():
+    drill = load_script(REPO / "benchmarks/restart_drill.py")
+    output = ("[rank1]: RuntimeError: --fail-at-step 30: rank 1 fails on purpose (attempt 0)\n"
+              "[rank0]: RuntimeError: Gloo connectFullMesh failed with ... Connection refused\n")
+    assert drill.failure_lines(output) == ["[rank0]: RuntimeError: Gloo connectFullMesh failed with ... "
+                                           "Connection refused"]
