@@ -39,7 +39,7 @@ def parse_args(argv=None):
 
 
 def accumulate_gradient(model, X, y, micro_steps: int) -> torch.Tensor:
-    """Leave the gradient of the mean loss over (X, y) in .grad, from ``micro_steps`` backward calls; return the loss."""
+    """Leave the gradient of the mean loss over (X, y) in .grad from ``micro_steps`` backward calls; return the loss."""
     total = 0.0
     for X_micro, y_micro in zip(X.chunk(micro_steps), y.chunk(micro_steps)):
         loss = F.cross_entropy(model(X_micro), y_micro) / micro_steps  # .grad adds up: divide, as lesson 04 says
