@@ -50,8 +50,8 @@ def parse_args(argv=None):
                         help="per device: the global batch is this times the number of processes")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed training steps per mode")
     parser.add_argument("--warmup-steps", type=non_negative_int, default=3,
-                        help="untimed steps first: first allocations, kernels and library handles loaded on first "
-                             "use, DDP's bucket rebuild (in its second step)")
+                        help="untimed steps first: first allocations, library handles created on first use, "
+                             "DDP's one-time bucket rebuild (in its second step)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: NCCL if every process has a GPU")
     parser.add_argument("--results-dir", type=Path, default=Path("runs/08_dp_vs_ddp"),

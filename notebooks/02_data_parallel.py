@@ -27,10 +27,11 @@ import os
 
 QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
 NPROC = 2  # DDP processes in the comparison (on a GPU machine: the number of GPUs to compare on)
-MODEL = "lenet" if QUICK else "simplecnn"
+MODEL = "lenet"  # the lesson's CPU command; on a machine with GPUs, try "simplecnn" too
 STEPS = 3 if QUICK else 20
 
 # %%
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -46,13 +47,23 @@ from common.models import LeNet
 REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 GPUS = torch.cuda.device_count()
-print(f"PyTorch {torch.__version__}, {GPUS} CUDA device(s)")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux): the record of where the figures below come from."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.machine()
+
+
+print(f"PyTorch {torch.__version__}, {GPUS} CUDA device(s), {os.cpu_count()} CPU core(s): {cpu_name()}")
 
 # %% [markdown]
 # ## One forward pass, four steps
 #
-# `nn.DataParallel(model)(X)` scatters `X` into one chunk per GPU, replicates the model from GPU 0 to every GPU,
-# runs the replicas in parallel threads, and gathers the outputs on GPU 0. `common.data_parallel` writes the
+# `nn.DataParallel(model)(X)` scatters `X` (on any device, the CPU included) into one chunk per GPU, replicates
+# the model from GPU 0 to every GPU, runs the replicas in parallel threads, and gathers the outputs on GPU 0. `common.data_parallel` writes the
 # same four steps out; with fewer than 2 GPUs it runs them on two CPU "devices". The replicas are copies that
 # autograd records, so `backward()` sums every replica's gradient into the original parameters: the result is
 # the gradient of the whole batch.
