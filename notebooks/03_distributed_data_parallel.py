@@ -92,9 +92,38 @@ for epoch in range(3):
 from common.demos import weights_before_and_after_ddp
 from common.launch import run_on_ranks
 
-for rank, weights in enumerate(run_on_ranks(weights_before_and_after_ddp, 3)):
+for rank, weights in enumerate(run_on_ranks(weights_before_and_after_ddp, 3, timeout=120)):
     print(f"rank {rank}: before {[round(w, 4) for w in weights['before']]} "
           f"after {[round(w, 4) for w in weights['after']]}")
+
+# %% [markdown]
+# ## DDP's gradient buckets
+#
+# DDP all-reduces gradients bucket by bucket. Which parameters share a bucket changes after the first step. Six
+# `Linear(256, 256)` layers (257 KiB each) train for 2 steps on 2 ranks, and a communication hook records every
+# bucket as DDP hands it over for its allreduce (`common.demos.ddp_buckets`): with the defaults, with
+# `bucket_cap_mb=0.3`, and with `find_unused_parameters=True`. Buckets go in index order, bucket 0 first.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from common.demos import ddp_buckets
+
+configurations = {"default": {}, "bucket_cap_mb=0.3": {"bucket_cap_mb": 0.3},
+                  "find_unused_parameters=True": {"find_unused_parameters": True}}
+for name, result in run_on_ranks(ddp_buckets, 2, configurations, timeout=120)[0].items():
+    print(name)
+    for step, buckets in enumerate(result["steps"], start=1):
+        for bucket in buckets:
+            print(f"  step {step}, bucket {bucket['index']}: {bucket['bytes'] / 2**20:.3f} MiB  "
+                  f"{' '.join(bucket['parameters'])}")
+
+# %% [markdown]
+# By default the first step has one bucket of everything: DDP does not know yet in which order the gradients
+# come. The next forward rebuilds the buckets in the order the gradients became ready (the last layer first): a
+# first bucket closed as soon as it reaches 1 MiB (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`), then
+# buckets of `bucket_cap_mb` (25 MiB by default; an explicit value caps the first bucket too). With
+# `find_unused_parameters=True` the buckets are cut from `model.parameters()` in order, the first cut at 1 MiB,
+# the list reversed, and never rebuilt.
 
 # %% [markdown]
 # ## Training with DDP, launched as you would launch it
@@ -144,7 +173,7 @@ set_seed(0)
 single = SimpleCNN()
 single.features(batch_norm_batch())  # one process, all 16 images, training mode
 reference = dict(single.named_buffers())
-ranks = run_on_ranks(batch_norm_across_ranks, 2)
+ranks = run_on_ranks(batch_norm_across_ranks, 2, timeout=120)
 
 
 def show(label, buffers):
@@ -171,6 +200,51 @@ if "sync_batchnorm" in ranks[0]:
         show(f"rank {rank}, nn.SyncBatchNorm", result["sync_batchnorm"]["buffers"])
 else:
     print("no CUDA device here: nn.SyncBatchNorm not run")
+
+# %% [markdown]
+# ## BatchNorm statistics through DDP
+#
+# The cells above ran BatchNorm without DDP. Through DDP, the running averages meet DDP's handling of buffers:
+# with its default `forward_sync_buffers=True`, every forward starts by broadcasting rank 0's buffers to every
+# rank. A lone `BatchNorm2d(2)` trains for 3 steps on 2 ranks, each on batches of its own, rank 1's brighter
+# (`common.demos.batch_norm_statistics_through_ddp`). Beside each rank's `running_mean`: the batches whose
+# statistics it holds, found by comparing its buffers with values computed by hand (`common.demos.running_statistics`).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from common.demos import batch_norm_statistics_through_ddp, ddp_batch_norm_batch, running_statistics
+
+STEPS = 3
+through_ddp = run_on_ranks(batch_norm_statistics_through_ddp, 2, STEPS, timeout=120)
+batches = [[ddp_batch_norm_batch(rank, step) for step in range(STEPS)] for rank in range(2)]
+by_hand = {"rank 0's 3 batches": running_statistics(batches[0]),
+           "rank 1's 3 batches": running_statistics(batches[1]),
+           "rank 0's first 2 batches, then rank 1's third": running_statistics(batches[0][:2] + batches[1][2:]),
+           "the 3 global batches (both ranks')": running_statistics([torch.cat(pair) for pair in zip(*batches)])}
+
+
+def holds(buffers):
+    """The hand-computed statistics that these BatchNorm buffers equal."""
+    return next((name for name, (mean, var) in by_hand.items()
+                 if torch.allclose(buffers["running_mean"], mean) and torch.allclose(buffers["running_var"], var)),
+                "none of these")
+
+
+for variant in ("forward_sync_buffers=True", "forward_sync_buffers=False", "synchronized (common/batchnorm.py)"):
+    print(variant)
+    for rank, result in enumerate(through_ddp):
+        trained = result[variant]["trained"]
+        print(f"  rank {rank} after training: running_mean {[round(m, 3) for m in trained['running_mean'].tolist()]}"
+              f" = {holds(trained)}")
+    for rank, result in enumerate(through_ddp):
+        print(f"  rank {rank} evaluating through DDP uses: {holds(result[variant]['evaluated_through_ddp'])}")
+print("nn.SyncBatchNorm in DDP on CPU:", through_ddp[0]["sync_batchnorm_on_cpu"])
+
+# %% [markdown]
+# With the default, rank 0 keeps the statistics of its own shard, and rank 1 those of rank 0, moved by its own
+# last batch; evaluation through the DDP wrapper (as `common.metrics.evaluate(net, ...)` runs in
+# `solutions/01_ddp_basic.py`) starts with the broadcast, so every rank evaluates with rank 0's statistics, the
+# ones the checkpoint holds. Only synchronized BatchNorm gives every rank the statistics of the global batches.
 
 # %% [markdown]
 # ## Uneven inputs: the failure, and Join
@@ -205,5 +279,5 @@ else:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for rank, result in enumerate(run_on_ranks(train_on_uneven_inputs, 2, True)):
+for rank, result in enumerate(run_on_ranks(train_on_uneven_inputs, 2, True, timeout=120)):
     print(f"with Join, rank {rank}: {result['steps']} steps, replicas in sync: {result['in_sync']}")
