@@ -167,3 +167,28 @@ def test_creating_and_iterating_a_loader_draws_nothing_from_the_global_rngs(data
     after = global_rng_states()
     assert torch.equal(after[0], before[0]), "the loader drew from torch's global RNG"
     assert np.array_equal(after[1], before[1]) and after[2] == before[2]
+
+
+class RandomlyJittered(Dataset):
+    """8 samples, each with a random number drawn where the sample is loaded: as a random augmentation would."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.rand(()), index
+
+
+def test_random_augmentations_in_loader_workers_restart_from_their_seed_in_a_resumed_run():
+    # No checkpoint holds the workers' RNGs: a restarted process builds its loader anew, and its workers are
+    # seeded as they were at the start of the run, so the draws repeat instead of continuing.
+    def jitter(loader, epoch):
+        loader.sampler.set_epoch(epoch)
+        return torch.cat([X for X, _ in loader])
+
+    uninterrupted = make_loader(RandomlyJittered(), 2, rank=0, world_size=1, train=True, num_workers=2)
+    first_epoch, second_epoch = jitter(uninterrupted, 0), jitter(uninterrupted, 1)
+    resumed = make_loader(RandomlyJittered(), 2, rank=0, world_size=1, train=True, num_workers=2)
+    resumed_second_epoch = jitter(resumed, 1)
+    assert not torch.equal(resumed_second_epoch, second_epoch)
+    assert torch.equal(resumed_second_epoch, first_epoch)  # the first epoch's draws, again

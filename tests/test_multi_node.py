@@ -12,6 +12,8 @@ import yaml
 
 from common.fault_tolerance import (CorruptCheckpoint, checkpoint_path, list_checkpoints, newest_valid_checkpoint,
                                     prune_checkpoints, read_verified, rng_state, set_rng_state, write_verified)
+from common.demos import collective_mistakes
+from common.launch import run_on_ranks
 from tests.conftest import PYTHON, REPO, TORCHRUN, run_command
 
 REHEARSE = REPO / "scripts" / "rehearse_two_nodes.py"
@@ -124,6 +126,72 @@ def test_torchrun_hosting_the_store_on_a_port_in_use_fails_fast_with_address_alr
                            REPO / "solutions/05_multi_node.py"], timeout=60)
     assert run.returncode != 0 and run.seconds < 45
     assert "address already in use" in run.output and "EADDRINUSE" in run.output
+
+
+# torchrun itself (its entry point), with its c10d rendezvous steps logged: the test sees when a node has joined.
+TORCHRUN_LOGGING_RENDEZVOUS = (
+    "import logging, sys; from torch.distributed.run import main; logging.basicConfig(); "
+    "logging.getLogger('torch.distributed.elastic.rendezvous.dynamic_rendezvous').setLevel(logging.DEBUG); "
+    "sys.exit(main())")
+
+
+def node_printing_its_group_rank(port, local_addr, *options):
+    return [PYTHON, "-c", TORCHRUN_LOGGING_RENDEZVOUS, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
+            "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "order", "--local-addr", local_addr, *options,
+            "--no-python", "printenv", "GROUP_RANK"]
+
+
+def printed_group_ranks(output):
+    return [line for line in output.splitlines() if line.strip().isdigit()]
+
+
+def test_c10d_numbers_the_nodes_by_their_sorted_address_not_by_order_of_arrival(tmp_path):
+    # Each node is (address, launcher PID, counter) and the ranks go to the sorted list: "127.0.0.1" < "localhost".
+    sock, port = held_port()
+    sock.close()
+    log = tmp_path / "first.log"
+    with log.open("w") as sink:
+        first = subprocess.Popen(node_printing_its_group_rank(port, "localhost", "--rdzv-conf", "is_host=1"),
+                                 cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while "added itself to the participants" not in log.read_text() and time.monotonic() < deadline:
+            assert first.poll() is None, log.read_text()
+            time.sleep(0.2)
+        assert "added itself to the participants" in log.read_text(), "the first node never joined"
+        second = run_command(node_printing_its_group_rank(port, "127.0.0.1"), timeout=90)
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0 and second.returncode == 0, log.read_text() + second.output
+    # The first to arrive, and the host of the store, is node 1; the one that came later is node 0.
+    assert printed_group_ranks(log.read_text()) == ["1"] and printed_group_ranks(second.output) == ["0"]
+
+
+@pytest.fixture(scope="module")
+def collective_mistakes_on_2_ranks():
+    return run_on_ranks(collective_mistakes, 2, 3.0, timeout=90)  # collectives time out after 3 s
+
+
+def test_a_rank_that_skips_a_collective_is_a_timeout_that_only_detail_pins_on_the_missing_rank(
+        collective_mistakes_on_2_ranks):
+    waiting, skipping = collective_mistakes_on_2_ranks
+    for case, message in (("skipped", "Timed out waiting 3000ms for recv operation to complete"),
+                          ("skipped, DETAIL", "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 3000 ms")):
+        assert waiting[case]["seconds"] >= 3.0 and skipping[case]["error"] is None  # rank 0 waited it out
+        assert message in waiting[case]["error"], waiting[case]["error"]
+    assert "Rank" not in waiting["skipped"]["error"]  # without DETAIL, nothing names the rank that is missing
+
+
+def test_under_detail_mismatched_collectives_fail_at_once_with_both_fingerprints(collective_mistakes_on_2_ranks):
+    for rank, results in enumerate(collective_mistakes_on_2_ranks):
+        result = results["mismatched shapes, DETAIL"]
+        assert result["error"].startswith("Detected mismatch between collectives on ranks. "
+                                          f"Rank {rank} is running collective: CollectiveFingerPrint("), result
+        assert "Collectives differ in the following aspects:   Tensor Tensor shapes:" in result["error"]
+        assert result["seconds"] < 3.0  # reported before the timeout, not after it
 
 
 def test_the_kubeflow_pytorchjob_is_elastic_and_runs_the_lesson_script():
