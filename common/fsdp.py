@@ -15,6 +15,7 @@ backward it reduce-scatters the gradients, so each rank keeps only the gradient 
 over ranks. ``export_full_state_dict`` gathers a plain, unsharded ``state_dict`` for a model without any wrapper.
 """
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,8 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
-from common.checkpoint import atomic_write
+from common.checkpoint import atomic_write, unwrap
 from common.distributed import is_main
 from common.launch import load_script
 from common.memory import local_bytes, training_state_bytes
@@ -36,7 +38,8 @@ from common.models import DeepMLP
 
 SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "03_fsdp.py"  # lesson 06's shard_model and checkpoints
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
-STRATEGIES = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full")  # what measure_model_state compares
+# What measure_model_state compares; the last is fsdp-full with the root forced to reshard after forward too
+STRATEGIES = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full", "fsdp-full-root-resharded")
 
 
 def make_mesh(env) -> DeviceMesh:
@@ -76,9 +79,10 @@ def force_sum_reduction(model: nn.Module) -> None:
 def reshard(model: nn.Module) -> None:
     """Free every gathered (unsharded) parameter of an FSDP2 model, keeping only the shards; else do nothing.
 
-    With ``reshard_after_forward=False`` a forward leaves each block's parameters gathered until a backward
-    reshards them. An evaluation runs forwards without a backward, so after it the whole model stays gathered
-    on every rank (DDP's memory) until this is called or the next backward runs.
+    A forward leaves the root's own parameters gathered until a backward reshards them (FSDP2's default for the
+    root), and with ``reshard_after_forward=False`` every block's too. An evaluation runs forwards without a
+    backward, so after it these stay gathered on every rank (under ``False`` the whole model: DDP's memory) until
+    this is called or the next backward runs.
     """
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -129,15 +133,18 @@ def export_full_state_dict(path, model: nn.Module) -> None:
 
 def measure_model_state(env, strategy: str, script=SOLUTION, width: int = 512, depth: int = 4,
                         batch_size: int = 32) -> dict:
-    """Apply ``strategy`` to a ``DeepMLP``, take one Adam step, and return what this rank holds, in bytes.
+    """Apply ``strategy`` to a ``DeepMLP``, take one Adam step, and return what this rank holds and gathers.
 
     ``strategy``: ``ddp`` (every rank a replica, ZeRO stage 0), ``zero1`` (DDP with
     ``ZeroRedundancyOptimizer``: optimizer states partitioned), ``fsdp-grad-op`` and ``fsdp-full`` (FSDP2 with
-    ``reshard_after_forward`` False and True). The model is wrapped by ``shard_model`` of ``script``: lesson 06's
-    solution, or your ``labs/03_fsdp.py``. The result has ``training_state_bytes``'s keys, plus
-    ``after_forward`` (parameter bytes held between the forward and the backward) and, on a GPU,
-    ``cuda_peak_mib`` (``torch.cuda.max_memory_allocated`` over the step, activations included). Call on every
-    rank of a process group, for example through ``common.launch.run_on_ranks``.
+    the blocks' ``reshard_after_forward`` False and True; the root keeps FSDP2's default), and
+    ``fsdp-full-root-resharded`` (``fsdp-full``, the root set to reshard after forward as well). The model is
+    wrapped by ``shard_model`` of ``script``: lesson 06's solution, or your ``labs/03_fsdp.py``. The result has
+    ``training_state_bytes``'s keys (bytes after the step), plus ``after_forward`` and ``backward_start`` (the
+    parameter bytes held between the forward and the backward, and once backward has begun: the root's
+    pre-backward has run), ``all_gathers`` (all-gather calls in the step, counted by ``CommDebugMode``) and,
+    on a GPU, ``cuda_peak_mib`` (``torch.cuda.max_memory_allocated`` over the step, activations included). Call
+    on every rank of a process group, for example through ``common.launch.run_on_ranks``.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
@@ -145,7 +152,9 @@ def measure_model_state(env, strategy: str, script=SOLUTION, width: int = 512, d
     reset_peak_memory(env.device)
     torch.manual_seed(0)
     model = DeepMLP(width=width, depth=depth).to(env.device)
-    net = shard_model(model, env, {"fsdp-full": "full", "fsdp-grad-op": "grad-op"}.get(strategy, "none"))
+    net = shard_model(model, env, {"fsdp-grad-op": "grad-op", "ddp": "none", "zero1": "none"}.get(strategy, "full"))
+    if strategy == "fsdp-full-root-resharded":
+        net.set_reshard_after_forward(True, recurse=False)  # the root unit alone; the blocks are set already
     if strategy == "zero1":
         optimizer = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam)
     else:
@@ -153,16 +162,29 @@ def measure_model_state(env, strategy: str, script=SOLUTION, width: int = 512, d
     torch.manual_seed(env.rank)
     X = torch.randn(batch_size, *DeepMLP.input_shape, device=env.device)
     y = torch.randint(0, 10, (batch_size,), device=env.device)
-    loss = F.cross_entropy(net(X), y)
-    after_forward = local_bytes(net.parameters())  # gathered blocks count whole, resharded ones as shards
-    loss.backward()
-    optimizer.step()
-    result = {**training_state_bytes(net, optimizer), "after_forward": after_forward}
+    held = {}
+    with warnings.catch_warnings(), CommDebugMode() as comm:
+        # CommDebugMode's module tracker makes module outputs views, and FSDP2 warns about views (an in-place op
+        # on one would skip its all-gather); nothing here writes to them.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        def sample(grad):  # when the gradient reaches the head's input: the head's backward, the first, has run
+            held.setdefault("backward_start", local_bytes(net.parameters()))
+
+        def hook_the_input(module, args):
+            args[0].register_hook(sample)
+
+        unwrap(net).head.register_forward_pre_hook(hook_the_input)
+        output = net(X)
+        held["after_forward"] = local_bytes(net.parameters())  # gathered units count whole, resharded as shards
+        F.cross_entropy(output, y).backward()
+        optimizer.step()
+    result = {**training_state_bytes(net, optimizer), **held,
+              "all_gathers": comm.get_comm_counts()[torch.ops.c10d._allgather_base_]}
     if env.device.type == "cuda":
         result["cuda_peak_mib"] = torch.cuda.max_memory_allocated(env.device) / 2**20
     return result
 
 
 def measure_strategies(env, strategies=STRATEGIES, script=SOLUTION) -> dict:
-    """``measure_model_state`` for each of ``strategies`` in turn, in one process group: ``{strategy: bytes}``."""
+    """``measure_model_state`` for each of ``strategies`` in turn, in one process group: ``{strategy: figures}``."""
     return {strategy: measure_model_state(env, strategy, script) for strategy in strategies}

@@ -28,10 +28,10 @@ writes its own shards, and a run at another world size can resume from them.
         --checkpoint-dir checkpoints/fsdp
     python solutions/03_fsdp.py --dataset digits --epochs 3 --checkpoint-dir checkpoints/fsdp --resume
 
---sharding: full = fully_shard(reshard_after_forward=True), FSDP1's FULL_SHARD, ZeRO-3; grad-op =
-fully_shard(reshard_after_forward=False), FSDP1's SHARD_GRAD_OP: parameters, gradients and optimizer states are
-still sharded between steps, but each block's gathered parameters stay from its forward until its backward;
-none = DistributedDataParallel, every rank a full replica (ZeRO stage 0), the baseline the others are measured
+--sharding: full = fully_shard(block, reshard_after_forward=True), FSDP1's FULL_SHARD, ZeRO-3; grad-op =
+fully_shard(block, reshard_after_forward=False), FSDP1's SHARD_GRAD_OP: parameters, gradients and optimizer states
+are still sharded between steps, but each block's gathered parameters stay from its forward until its backward.
+Under both the root keeps FSDP2's default: gathered from its forward to its backward, which begins with it. none = DistributedDataParallel, every rank a full replica (ZeRO stage 0), the baseline the others are measured
 against.
 """
 
@@ -101,8 +101,9 @@ def shard_model(model, env, sharding: str, precision: str = "fp32", offload: boo
     mesh = make_mesh(env)  # 1-D: all ranks shard every parameter among themselves
     # TODO: fully_shard each block of model.blocks (if it has them), then the root model, on `mesh`. --sharding
     # full frees a block's gathered parameters after its forward, grad-op keeps them until its backward
-    # (reshard_after_forward), --precision picks the policy (common.fsdp.mixed_precision_policy), and offload
-    # asks for CPUOffloadPolicy (pin_memory needs a CUDA driver: only on a GPU) instead of OffloadPolicy().
+    # (reshard_after_forward); the root keeps FSDP2's default for it. --precision picks the policy
+    # (common.fsdp.mixed_precision_policy), and offload asks for CPUOffloadPolicy (pin_memory needs a CUDA
+    # driver: only on a GPU) instead of OffloadPolicy().
     raise NotImplementedError("shard the model with fully_shard")
     return model
 
@@ -157,7 +158,7 @@ def train(args, env):
                                                          env.device, batches_per_epoch, progress=f"epoch {epoch + 1}")
         step += batches_per_epoch
         clock.finish(epoch + 1, net, loss_sum, samples, test_iter)
-        reshard(net)  # grad-op: evaluation's forwards (no backward) left the model gathered
+        reshard(net)  # evaluation's forwards (no backward) left the root gathered, and under grad-op every block
         if args.checkpoint_dir:
             save_checkpoint(checkpoint_path(args.checkpoint_dir, epoch + 1), net, optimizer, epoch + 1, step)
     if args.checkpoint_dir:  # one plain state_dict for a model without any wrapper

@@ -20,10 +20,10 @@ writes its own shards, and a run at another world size can resume from them.
         --checkpoint-dir checkpoints/fsdp
     python solutions/03_fsdp.py --dataset digits --epochs 3 --checkpoint-dir checkpoints/fsdp --resume
 
---sharding: full = fully_shard(reshard_after_forward=True), FSDP1's FULL_SHARD, ZeRO-3; grad-op =
-fully_shard(reshard_after_forward=False), FSDP1's SHARD_GRAD_OP: parameters, gradients and optimizer states are
-still sharded between steps, but each block's gathered parameters stay from its forward until its backward;
-none = DistributedDataParallel, every rank a full replica (ZeRO stage 0), the baseline the others are measured
+--sharding: full = fully_shard(block, reshard_after_forward=True), FSDP1's FULL_SHARD, ZeRO-3; grad-op =
+fully_shard(block, reshard_after_forward=False), FSDP1's SHARD_GRAD_OP: parameters, gradients and optimizer states
+are still sharded between steps, but each block's gathered parameters stay from its forward until its backward.
+Under both the root keeps FSDP2's default: gathered from its forward to its backward, which begins with it. none = DistributedDataParallel, every rank a full replica (ZeRO stage 0), the baseline the others are measured
 against.
 """
 
@@ -93,12 +93,13 @@ def shard_model(model, env, sharding: str, precision: str = "fp32", offload: boo
     mesh = make_mesh(env)  # 1-D: all ranks shard every parameter among themselves
     # Pinned CPU memory speeds up the copies to a GPU, and needs a CUDA driver to exist at all.
     offload_policy = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if offload else OffloadPolicy()
-    options = dict(mesh=mesh, reshard_after_forward=sharding == "full", mp_policy=mixed_precision_policy(precision),
-                   offload_policy=offload_policy)
+    options = dict(mesh=mesh, mp_policy=mixed_precision_policy(precision), offload_policy=offload_policy)
     # One unit per block, so that one block at a time is gathered; then the root, bottom-up, takes what is left
     # (stem and head). Parameters become DTensors: rank r keeps chunk r of dim 0 (the last chunk may be shorter).
     for block in getattr(model, "blocks", []):  # DeepMLP's blocks; a model without them is one unit
-        fully_shard(block, **options)
+        fully_shard(block, reshard_after_forward=sharding == "full", **options)
+    # The root keeps FSDP2's default, which never reshards it after forward: backward starts with the root's own
+    # parameters (the head), so freeing them would only gather them again at once, one all-gather more per step.
     fully_shard(model, **options)
     return model
 
@@ -163,7 +164,7 @@ def train(args, env):
                                                          env.device, batches_per_epoch, progress=f"epoch {epoch + 1}")
         step += batches_per_epoch
         clock.finish(epoch + 1, net, loss_sum, samples, test_iter)
-        reshard(net)  # grad-op: evaluation's forwards (no backward) left the model gathered
+        reshard(net)  # evaluation's forwards (no backward) left the root gathered, and under grad-op every block
         if args.checkpoint_dir:
             save_checkpoint(checkpoint_path(args.checkpoint_dir, epoch + 1), net, optimizer, epoch + 1, step)
     if args.checkpoint_dir:  # one plain state_dict for a model without any wrapper

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.distributed import replicas_in_sync
 from common.fsdp import (SOLUTION, export_full_state_dict, force_sum_reduction, full_gradients, full_parameters,
-                         full_tensor)
+                         full_tensor, measure_model_state)
 from common.launch import load_script, run_on_ranks
 from common.memory import training_state_bytes, zero_bytes_per_rank
 from common.models import DeepMLP
@@ -108,6 +108,9 @@ def side_by_side(env, checkpoint_dir):
     zero.step()
     results["zero1_bytes"] = training_state_bytes(big, zero)
     results["fsdp_bytes"] = model_state_of_the_big_model(env)
+    # what the root's reshard_after_forward changes: all-gathers per step, parameter bytes held
+    results["root"] = {strategy: measure_model_state(env, strategy)
+                       for strategy in ("fsdp-grad-op", "fsdp-full", "fsdp-full-root-resharded")}
     return results
 
 
@@ -163,6 +166,24 @@ def test_fsdp2_parameters_after_adam_steps_equal_ddp(two_ranks):
         torch.testing.assert_close(rank["offload"], rank["ddp"])
         assert rank["full_in_sync"] and rank["grad_op_in_sync"]
     assert not torch.equal(two_ranks[0]["ddp"][0], odd_model().stem[1].weight)  # the steps did move it
+
+
+def test_the_root_stays_gathered_from_forward_to_backward_saving_one_all_gather_per_step(two_ranks):
+    model = DeepMLP()
+    whole = sum(p.numel() for p in model.parameters()) * 4
+    root = sum(p.numel() for module in (model.stem, model.head) for p in module.parameters()) * 4  # 28% of it
+    units = 1 + len(model.blocks)
+    for rank in two_ranks:
+        default, forced, grad_op = (rank["root"][strategy]
+                                    for strategy in ("fsdp-full", "fsdp-full-root-resharded", "fsdp-grad-op"))
+        # FSDP2's default for the root: gathered once, in forward, and kept for backward, which starts with it
+        assert default["all_gathers"] == 2 * units - 1 and forced["all_gathers"] == 2 * units
+        assert grad_op["all_gathers"] == units  # nothing resharded after forward: no all-gather in backward
+        # between forward and backward: the root whole and half of each block, against half of everything
+        assert default["after_forward"] == root + (whole - root) / 2
+        assert forced["after_forward"] == whole / 2
+        # once backward has begun, the forced root is gathered again: the same bytes as under the default
+        assert forced["backward_start"] == default["backward_start"] == default["after_forward"]
 
 
 def test_zero1_around_ddp_equals_ddp_with_plain_adam(two_ranks):

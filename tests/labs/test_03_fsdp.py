@@ -45,9 +45,11 @@ def shard_train_and_checkpoint(env, path, checkpoint_dir):
         net, optimizer = build(lab, env, sharding)
         if sharding != "none":
             results[f"{sharding}_dtensors"] = all(isinstance(p, DTensor) for p in net.parameters())
-            results[f"{sharding}_whole_bytes"] = sum(p.numel() * p.element_size() for p in net.parameters())
             loss = net(X).sum()  # between forward and backward: what does this rank hold of the parameters?
-            results[f"{sharding}_after_forward"] = local_bytes(net.parameters())
+            for part, modules in (("blocks", net.blocks), ("root", (net.stem, net.head))):
+                parameters = [p for module in modules for p in module.parameters()]
+                results[f"{sharding}_{part}_whole_bytes"] = sum(p.numel() * p.element_size() for p in parameters)
+                results[f"{sharding}_{part}_after_forward"] = local_bytes(parameters)
             loss.backward()
         train(net, optimizer, env)
         results[sharding] = full_parameters(net)
@@ -80,9 +82,11 @@ def test_every_parameter_becomes_a_dtensor_shard_and_training_equals_ddp(two_ran
 
 def test_full_reshards_after_forward_and_grad_op_keeps_the_gathered_blocks(two_ranks):
     for rank in two_ranks[1]:
-        whole = rank["full_whole_bytes"]
-        assert rank["full_after_forward"] <= 0.55 * whole  # only this rank's half is held
-        assert rank["grad-op_after_forward"] == whole  # every block still gathered, waiting for backward
+        whole = rank["full_blocks_whole_bytes"]
+        assert rank["full_blocks_after_forward"] <= 0.55 * whole  # only this rank's half of each block is held
+        assert rank["grad-op_blocks_after_forward"] == whole  # every block still gathered, waiting for backward
+        for sharding in ("full", "grad-op"):  # the root (stem, head) keeps FSDP2's default: gathered for backward
+            assert rank[f"{sharding}_root_after_forward"] == rank[f"{sharding}_root_whole_bytes"]
 
 
 def test_bf16_precision_computes_in_bf16(two_ranks):
