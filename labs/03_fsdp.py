@@ -31,7 +31,8 @@ writes its own shards, and a run at another world size can resume from them.
 --sharding: full = fully_shard(block, reshard_after_forward=True), FSDP1's FULL_SHARD, ZeRO-3; grad-op =
 fully_shard(block, reshard_after_forward=False), FSDP1's SHARD_GRAD_OP: parameters, gradients and optimizer states
 are still sharded between steps, but each block's gathered parameters stay from its forward until its backward.
-Under both the root keeps FSDP2's default: gathered from its forward to its backward, which begins with it. none = DistributedDataParallel, every rank a full replica (ZeRO stage 0), the baseline the others are measured
+Under both the root keeps FSDP2's default: gathered from its forward to its backward, which begins with it.
+none = DistributedDataParallel, every rank a full replica (ZeRO stage 0), the baseline the others are measured
 against.
 """
 
