@@ -81,3 +81,26 @@ def test_the_restart_drill_reports_why_a_run_failed_not_the_intended_failure():
               "[rank0]: RuntimeError: Gloo connectFullMesh failed with ... Connection refused\n")
     assert drill.failure_lines(output) == ["[rank0]: RuntimeError: Gloo connectFullMesh failed with ... "
                                            "Connection refused"]
+
+
+def test_the_allreduce_benchmark_counts_the_messages_and_predicts_each_allreduce_from_its_building_blocks():
+    run = run_command([TORCHRUN, "--standalone", "--nproc_per_node=3", REPO / "benchmarks/allreduce_bandwidth.py",
+                       "--sizes", "4", "12K", "--rounds", "1", "--iterations", "1"], timeout=180)
+    assert run.returncode == 0, run.output
+    counts = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["naive"], ["ring"])]
+    # algorithm, rank, sends, receives, sent and received in units of S: 3 ranks
+    assert counts == [["naive", "0", "2", "2", "2.000", "2.000"], ["naive", "1", "1", "1", "1.000", "1.000"],
+                      ["naive", "2", "1", "1", "1.000", "1.000"]] + [
+                     ["ring", str(rank), "4", "4", "1.333", "1.333"] for rank in range(3)]
+    assert re.search(r"one-way: a = [\d.]+ ms per message, B = [\d.]+ GB/s", run.stdout)
+    rows = [line.split() for line in run.stdout.split("4. allreduce")[1].splitlines() if line.split()[:1] == ["12K"]]
+    assert len(rows) == 1 and len(rows[0]) == 9  # size, then best (median) and prediction for naive and ring, dist
+
+
+def test_the_scaler_sync_benchmark_counts_one_host_read_per_step_in_step_and_one_per_get_scale():
+    run = run_command([PYTHON, REPO / "benchmarks/scaler_sync.py", "--device", "cpu", "--steps", "2", "--rounds", "1"],
+                      timeout=120)
+    assert run.returncode == 0, run.output
+    reads = {line[:28].strip(): int(line[28:].split()[0]) for line in run.stdout.splitlines()
+             if line.strip().startswith(("no skip", "get_scale"))}
+    assert reads == {"no skip count": 1, "get_scale after update": 2, "get_scale before and after": 3}
