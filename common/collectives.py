@@ -11,8 +11,10 @@ every rank. They are for learning and measuring, not for training: NCCL and gloo
 - ``all_reduce_gradients``: average a model's gradients with one collective over one flat bucket, instead of
   one collective per parameter.
 - ``AllreduceCounter``: a DDP communication hook that counts the allreduces DDP makes, and their bytes.
+- ``count_messages``: counts the point-to-point messages (and bytes) one rank sends and receives in a block.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -126,3 +128,47 @@ def _counting_allreduce_hook(counter: AllreduceCounter, bucket: dist.GradBucket)
     counter.calls += 1
     counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
     return allreduce_hook(None, bucket)  # None: the default process group
+
+
+@dataclass
+class MessageCount:
+    """Point-to-point messages one rank posted, and the bytes they carried (``count_messages`` fills it)."""
+
+    sends: int = 0
+    receives: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@contextmanager
+def count_messages():
+    """Count this rank's ``dist.send``/``isend`` and ``dist.recv``/``irecv`` calls inside the block.
+
+        with count_messages() as count:
+            ring_all_reduce(tensor)
+        count.sends, count.receives, count.bytes_sent
+
+    It wraps the four functions of ``torch.distributed`` for the duration of the block, so it sees the calls
+    that code makes through ``dist.<name>`` (as this module does), not messages a backend sends inside its own
+    collectives such as ``dist.all_reduce``.
+    """
+    count = MessageCount()
+    originals = {name: getattr(dist, name) for name in ("send", "isend", "recv", "irecv")}
+
+    def counting(name, original):
+        def wrapper(tensor, *args, **kwargs):
+            size = tensor.numel() * tensor.element_size()
+            if name in ("send", "isend"):
+                count.sends, count.bytes_sent = count.sends + 1, count.bytes_sent + size
+            else:
+                count.receives, count.bytes_received = count.receives + 1, count.bytes_received + size
+            return original(tensor, *args, **kwargs)
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(name, original))
+    try:
+        yield count
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
