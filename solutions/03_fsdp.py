@@ -3,7 +3,9 @@
 Every rank holds 1/N of each parameter, of its gradient and of Adam's states (DTensor shards). A block's full
 parameters exist only while it computes: FSDP2 all-gathers them before the block runs and reduce-scatters
 the gradients after its backward. Checkpoints are sharded too (``torch.distributed.checkpoint``): each rank
-writes its own shards, and a run at another world size can resume from them.
+writes its own shards. Resumed at the same world size, a model without dropout or BatchNorm (the default mlp)
+goes on bit-identically; no RNG state is saved, so simplecnn's dropout masks differ after a resume. A run at
+another world size loads them exactly, then trains as a run of its own size (the batch is per process).
 
     # CPU, 2 processes (gloo), digits, the default DeepMLP (1.46 M parameters), fully sharded
     torchrun --standalone --nproc_per_node=2 solutions/03_fsdp.py --dataset digits

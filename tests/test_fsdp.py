@@ -19,7 +19,7 @@ from common.fsdp import (SOLUTION, export_full_state_dict, force_sum_reduction, 
                          full_tensor, measure_model_state)
 from common.launch import load_script, run_on_ranks
 from common.memory import training_state_bytes, zero_bytes_per_rank
-from common.models import DeepMLP
+from common.models import DeepMLP, SimpleCNN
 
 # 37 rows: dim 0 of every block weight divides by neither 2 nor 4, so the shards are uneven (19 + 18; 10+10+10+7)
 WIDTH, DEPTH, STEPS, BATCH, LR = 37, 2, 4, 12, 0.01
@@ -94,6 +94,20 @@ def side_by_side(env, checkpoint_dir):
     export_full_state_dict(checkpoint_dir / "full.pt", net)
     results["saved"] = full_parameters(net)
     results["saved_exp_avg"] = [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()]
+
+    # BatchNorm's running statistics are buffers, which FSDP2 neither shards nor synchronizes
+    torch.manual_seed(0)
+    cnn = fsdp.shard_model(SimpleCNN(), env, "full")
+    optimizer = torch.optim.Adam(cnn.parameters(), lr=LR)
+    X = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(env.rank))  # each rank its own batch
+    F.cross_entropy(cnn(X), torch.zeros(4, dtype=torch.long)).backward()
+    optimizer.step()
+    results["batch_norm_trained"] = [buffer.clone() for buffer in cnn.buffers()]
+    fsdp.save_checkpoint(checkpoint_dir / "cnn", cnn, optimizer, epoch=1, step=1)
+    torch.manual_seed(0)
+    cnn = fsdp.shard_model(SimpleCNN(), env, "full")
+    fsdp.load_checkpoint(checkpoint_dir / "cnn", cnn, torch.optim.Adam(cnn.parameters(), lr=LR))
+    results["batch_norm_loaded"] = [buffer.clone() for buffer in cnn.buffers()]
 
     zero_net = DDP(odd_model())
     zero = ZeroRedundancyOptimizer(zero_net.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
@@ -200,6 +214,17 @@ def test_a_checkpoint_saved_by_two_ranks_loads_on_one_and_on_four(two_ranks, rel
             for loaded, expected in zip(rank["parameters"] + rank["exp_avg"], saved["saved"] + saved["saved_exp_avg"]):
                 assert torch.equal(loaded, expected)
     assert not torch.equal(saved["saved"][0], odd_model().stem[1].weight)  # not just the shared initial weights
+
+
+def test_batchnorm_statistics_stay_per_rank_and_a_checkpoint_keeps_one_copy_of_each(two_ranks):
+    trained, loaded = ([rank[key] for rank in two_ranks] for key in ("batch_norm_trained", "batch_norm_loaded"))
+    statistics = [i for i, buffer in enumerate(trained[0]) if buffer.is_floating_point()]  # not the batch counters
+    assert len(statistics) == 6  # running mean and variance of 3 BatchNorms
+    # each rank normalised its own batch, and nothing made the ranks agree
+    assert not any(torch.equal(trained[0][i], trained[1][i]) for i in statistics)
+    for i in range(len(trained[0])):
+        assert torch.equal(loaded[0][i], loaded[1][i])  # loaded, every rank holds the same copy
+        assert any(torch.equal(loaded[0][i], rank[i]) for rank in trained)  # some rank's, as DCP chose to write it
 
 
 def test_the_full_state_dict_loads_into_a_plain_module(checkpoint_dir, two_ranks):

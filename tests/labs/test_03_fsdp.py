@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 
 from common.distributed import set_seed
@@ -64,13 +65,36 @@ def shard_train_and_checkpoint(env, path, checkpoint_dir):
     results["progress"] = lab.load_checkpoint(checkpoint_dir / "epoch-0001", fresh, fresh_optimizer)
     results["loaded"] = (full_parameters(fresh)
                          + [full_tensor(fresh_optimizer.state[p]["exp_avg"]) for p in fresh.parameters()])
+
+    # The script's own training, in this process group: 2 epochs straight, and 1 epoch then a run that resumes
+    for model, quick in (("mlp", []), ("simplecnn", ["--batch-size", "16", "--max-steps", "2"])):
+        for name, epochs, resume in (("straight", 2, []), ("stopped", 1, []), ("stopped", 2, ["--resume"])):
+            lab.train(lab.parse_args(["--dataset", "digits", "--model", model, "--epochs", str(epochs), *quick,
+                                      "--checkpoint-dir", str(checkpoint_dir / model / name), *resume]), env)
     return results
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     checkpoint_dir = tmp_path_factory.mktemp("lab03")
-    return checkpoint_dir, run_on_ranks(shard_train_and_checkpoint, 2, str(lab_path(LAB)), checkpoint_dir, timeout=120)
+    return checkpoint_dir, run_on_ranks(shard_train_and_checkpoint, 2, str(lab_path(LAB)), checkpoint_dir, timeout=240)
+
+
+def checkpoint_contents(folder, tmp_path) -> dict:
+    """Everything a sharded checkpoint holds (model, Adam's states, progress), whole: no process group needed."""
+    whole = tmp_path / f"{folder.parent.parent.name}-{folder.parent.name}-{folder.name}.pt"
+    dcp_to_torch_save(folder, whole)
+
+    def flatten(tree, prefix=""):
+        for key, value in tree.items():
+            yield from flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+    return dict(flatten(torch.load(whole, weights_only=True)))
+
+
+def differing(first: dict, second: dict) -> list[str]:
+    assert first.keys() == second.keys()
+    return [key for key in first if not (torch.equal(first[key], second[key]) if torch.is_tensor(first[key])
+                                         else first[key] == second[key])]
 
 
 def test_every_parameter_becomes_a_dtensor_shard_and_training_equals_ddp(two_ranks):
@@ -104,7 +128,25 @@ def test_the_sharded_checkpoint_holds_one_file_per_rank_and_loads_back(two_ranks
             assert torch.equal(loaded, saved)
 
 
-def test_the_script_saves_on_two_ranks_and_resumes_on_one(tmp_path):
+def test_resuming_at_the_same_world_size_continues_bit_identically(two_ranks, tmp_path):
+    folder = two_ranks[0] / "mlp"  # DeepMLP has no dropout and no BatchNorm
+    straight, resumed = (checkpoint_contents(folder / name / "epoch-0002", tmp_path) for name in ("straight", "stopped"))
+    assert straight["progress.step"] == 24 and len(straight) > 40  # 12 steps an epoch; model, Adam, progress
+    assert differing(straight, resumed) == []  # every parameter, Adam state and step counter, to the bit
+    assert differing(straight, checkpoint_contents(folder / "straight" / "epoch-0001", tmp_path))  # it did train
+
+
+def test_resuming_simplecnn_differs_since_the_checkpoint_holds_no_rng_state(two_ranks, tmp_path):
+    folder = two_ranks[0] / "simplecnn"
+    first, second = ({name: checkpoint_contents(folder / name / f"epoch-000{epoch}", tmp_path)
+                      for name in ("straight", "stopped")} for epoch in (1, 2))
+    assert differing(first["straight"], first["stopped"]) == []  # the same until the checkpoint
+    # after it, the resumed run's dropout masks come from a freshly seeded RNG: every weight moves differently
+    changed = differing(second["straight"], second["stopped"])
+    assert {"model.features.0.weight", "model.classifier.1.weight", "model.classifier.4.weight"} <= set(changed)
+
+
+def test_the_script_saves_on_two_ranks_and_resumes_on_one(tmp_path, two_ranks):
     checkpoints, first, second = tmp_path / "checkpoints", tmp_path / "first.json", tmp_path / "second.json"
     run = torchrun(lab_path(LAB), "--dataset", "digits", "--epochs", "1", "--checkpoint-dir", checkpoints,
                    "--metrics-file", first, nproc=2, timeout=180)
@@ -126,6 +168,15 @@ def test_the_script_saves_on_two_ranks_and_resumes_on_one(tmp_path):
     assert metrics["final_test_accuracy"] >= 0.7
     plain = DeepMLP()  # the exported whole model needs no torch.distributed to load
     plain.load_state_dict(torch.load(checkpoints / "model_full.pt", weights_only=True))
+
+    # The first epoch is the 2-process run's, to the bit; the continuation on 1 process is another run
+    straight = two_ranks[0] / "mlp" / "straight"
+    assert differing(checkpoint_contents(checkpoints / "epoch-0001", tmp_path),
+                     checkpoint_contents(straight / "epoch-0001", tmp_path)) == []
+    resumed = checkpoint_contents(checkpoints / "epoch-0002", tmp_path)
+    assert resumed["progress.step"] == 12 + 23  # 64 samples a step on 1 process, not 128: 23 steps, not 12
+    assert set(differing(resumed, checkpoint_contents(straight / "epoch-0002", tmp_path))) >= {
+        f"model.{name}" for name, _ in DeepMLP().named_parameters()}
 
 
 def test_bf16_with_ddp_stops_with_a_message():
