@@ -123,10 +123,10 @@ def train_one_epoch(net, batches, optimizer, scheduler, scaler, accum_steps: int
             if clip_grad_norm is not None:
                 scaler.unscale_(optimizer)  # divide by the scale first: max_norm bounds the true gradient
                 torch.nn.utils.clip_grad_norm_(net.parameters(), clip_grad_norm)
-            scale = scaler.get_scale()  # on a GPU this waits for the step's work: the price of counting skips
-            scaler.step(optimizer)  # unscales (unless done above); skips optimizer.step() on any inf/NaN
+            scale = scaler.get_scale()  # a host read (a GPU sync), but step() makes one right after: almost free
+            scaler.step(optimizer)  # unscales (unless done above), reads the inf flag, skips the step on inf/NaN
             scaler.update()  # halves the scale after a skip, doubles it after growth_interval good steps
-            skipped = scaler.get_scale() < scale
+            skipped = scaler.get_scale() < scale  # the read that costs: it waits for the optimizer step's kernels
             if not skipped:  # a skipped step did not happen: warm-up counts the steps taken
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)

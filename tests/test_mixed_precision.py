@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from common.distributed import ConfigurationError
 from common.models import LeNet
 from common.precision import check_precision
-from tests.conftest import REPO
+from tests.conftest import REPO, load_script
 
 # Written in pieces so that this file does not match itself.
 DEPRECATED = re.compile(r"\btorch\.cuda\." + r"amp\b|\bfrom\s+torch\.cuda\s+import\s+" + r"amp\b")
@@ -102,6 +102,26 @@ def test_the_scaler_skips_a_step_on_inf_halves_the_scale_and_grows_it_back():
     assert step(poison=True) is False and scaler.get_scale() == 512.0  # skipped: nothing moved, scale halved
     assert step(poison=False) is True and scaler.get_scale() == 512.0  # one good step: not yet
     assert step(poison=False) is True and scaler.get_scale() == 1024.0  # growth_interval good steps: doubled
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_scaler_step_already_reads_the_inf_flag_on_the_host_and_each_get_scale_reads_the_scale_once_more(fused):
+    # Every .item() copies a device tensor to the host: on a GPU, a wait for all the work queued before it.
+    count_item_calls = load_script(REPO / "benchmarks/scaler_sync.py").count_item_calls
+    torch.manual_seed(0)
+    model = LeNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(F.cross_entropy(model(torch.randn(4, 1, 28, 28)), torch.arange(4))).backward()
+    reads = {}
+    for name, call in (("unscale_", lambda: scaler.unscale_(optimizer)), ("step", lambda: scaler.step(optimizer)),
+                       ("update", scaler.update), ("get_scale", scaler.get_scale)):
+        with count_item_calls() as calls:
+            call()
+        reads[name] = calls[0]
+    # A non-fused optimizer: step() must know on the host whether to call optimizer.step(). A fused one is handed
+    # the flag and skips inside its kernel: no read at all.
+    assert reads == {"unscale_": 0, "step": 0 if fused else 1, "update": 0, "get_scale": 1}
 
 
 def test_autocast_computes_in_low_precision_but_parameters_and_gradients_stay_fp32():
