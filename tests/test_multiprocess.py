@@ -400,7 +400,7 @@ def test_ddp_all_reduces_every_gradient_in_one_bucket_in_the_first_step(buckets)
 
 def test_ddp_rebuilds_its_buckets_after_the_first_step_in_the_order_gradients_became_ready(buckets):
     default, small = buckets["default"], buckets["bucket_cap_mb=0.3"]
-    assert default["ready_order"][:2] == ["5.bias", "5.weight"]  # the last layer's gradients come first
+    assert set(default["ready_order"][:2]) == {"5.bias", "5.weight"}  # the last layer's gradients come first
     # Default: a first bucket closed at 1 MiB (here 4 layers, 1.004 MiB), then 25 MiB ones (the 2 layers left).
     assert bucket_contents(default["steps"][1]) == cut_greedily(default["ready_order"], [MiB, 25 * MiB])
     assert len(default["steps"][1]) == 2
