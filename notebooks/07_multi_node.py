@@ -84,7 +84,9 @@ print(f"wall time of the two-node rehearsal, launch to exit: {time.perf_counter(
 
 # %% [markdown]
 # The rank map shows the global ranks, the node rank (`GROUP_RANK`) and the local rank. With c10d the node
-# rank is the order in which the launchers joined the rendezvous, not `--node-rank`.
+# ranks go to the nodes sorted by (address, launcher process ID): neither `--node-rank` nor the order in which the
+# launchers joined decides. Both launchers here have the same address, so the one with the lower process ID is
+# node 0; on a cluster, the node whose host name sorts first.
 #
 # ## Global rank 0 alone writes
 
