@@ -8,8 +8,8 @@ forward, so they are the averages of rank 0's shard, each other rank's moved by 
 all ranks first, so every rank normalises with those of the whole global batch, and keeps their running
 averages, exactly as one process holding the whole batch would.
 
-In PyTorch 2.14 ``nn.SyncBatchNorm`` runs on GPUs only: with CPU tensors in a process group of more than one
-rank it raises ``ValueError``. The functions here do the same arithmetic on any device and backend, gloo
+In PyTorch 2.14 ``nn.SyncBatchNorm`` runs on GPUs only: in training mode, with CPU tensors, whenever a process
+group is initialised (a world of one included) its forward raises ``ValueError``. The functions here do the same arithmetic on any device and backend, gloo
 included, so the course can show it on CPUs. For training on GPUs, use the real layer:
 ``model = nn.SyncBatchNorm.convert_sync_batchnorm(model)`` before wrapping the model in DDP.
 """
@@ -52,7 +52,8 @@ def synchronized_batch_norm(x: Tensor, bn: nn.modules.batchnorm._BatchNorm) -> T
     Two all-reduces per call: the per-channel sum with the element count gives the global mean; then the sum
     of squared deviations from that mean gives the global (biased) variance. The single pass E[x^2] - E[x]^2
     would need one all-reduce only, but it loses digits when the mean is large next to the spread.
-    ``nn.SyncBatchNorm`` also gets away with one collective: it gathers each rank's mean, variance and count.
+    ``nn.SyncBatchNorm`` also gets away with one collective: it all-gathers each rank's mean, inverse
+    standard deviation and count.
 
     ``bn``'s running statistics are updated as BatchNorm updates them: ``momentum`` (or the cumulative average
     when it is ``None``), the unbiased variance, ``num_batches_tracked``. Gradients flow through the

@@ -7,7 +7,7 @@ variables; ``setup_distributed`` reads them, joins the process group and picks t
     try:
         train(env)
     finally:
-        teardown_distributed()          # on the error path too, so no rank is left waiting
+        teardown_distributed()          # on the error path too: leave the group, then exit
 
 Every mean here is a SUM followed by a division: a mean over samples needs the sums anyway, and it works on
 every backend and version (gloo had no ``ReduceOp.AVG`` until recent releases; 2.14 has it).

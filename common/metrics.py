@@ -1,6 +1,7 @@
 """Exact distributed evaluation, and the memory and timing figures that the benchmarks report.
 
-``DistributedSampler`` pads a data set by repeating its first samples until it divides by the world size:
+``DistributedSampler`` pads a data set until it divides by the world size, by repeating the first indices of
+its shuffled permutation (of the data set's first samples only with ``shuffle=False``):
 11 test samples on 2 ranks become 12, one counted twice. Averaging per-rank accuracies counts the padding.
 ``evaluate`` gathers every rank's per-sample results with their data-set indices and keeps one result per
 index, so each test sample counts exactly once.

@@ -68,7 +68,7 @@ def main(args):
     try:
         train(args, env)
     finally:
-        teardown_distributed()  # on errors too: the other ranks are told at once instead of timing out
+        teardown_distributed()  # on errors too: leave the group; the peers learn of it when this process exits
 
 
 def train(args, env):

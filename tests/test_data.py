@@ -101,6 +101,18 @@ def test_shards_are_disjoint_and_cover_the_data_set_with_padding():
     assert len(everything) - len(set(everything)) == 2  # only the two padding samples repeat
 
 
+def test_training_padding_repeats_the_first_indices_of_the_shuffled_permutation_not_of_the_data_set():
+    world_size, seed = 3, 0
+    shards = [torch.cat([X for (X,) in make_loader(TensorDataset(torch.arange(10)), 4, rank, world_size,
+                                                   train=True, seed=seed)]).tolist()
+              for rank in range(world_size)]
+    # DistributedSampler draws randperm with the generator seeded by seed + epoch (epoch 0 here).
+    permutation = torch.randperm(10, generator=torch.Generator().manual_seed(seed)).tolist()
+    padded = [shards[position % world_size][position // world_size] for position in range(12)]
+    assert padded == permutation + permutation[:2]
+    assert permutation[:2] != [0, 1]  # so the repeated samples are not the data set's first two
+
+
 def test_set_epoch_reshuffles_and_the_same_epoch_repeats_its_order():
     loader = make_loader(TensorDataset(torch.arange(64)), 8, rank=0, world_size=2, train=True, seed=3)
     orders = {}

@@ -268,11 +268,13 @@ def sync_batch_norm_on_cpu(env):
     model.features(batch_norm_batch().chunk(env.world_size)[env.rank])
 
 
-def test_sync_batch_norm_has_no_cpu_implementation_in_this_pytorch():
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_sync_batch_norm_has_no_cpu_implementation_in_this_pytorch(world_size):
     # The lesson says that nn.SyncBatchNorm runs on GPUs only. When PyTorch adds CPU support, this test fails:
-    # then the lesson and common/batchnorm.py's docstring need updating.
+    # then the lesson and common/batchnorm.py's docstring need updating. A world of one raises too: the device
+    # check runs whenever a process group is initialised, before the world size is looked at.
     with pytest.raises(RuntimeError, match="ValueError: SyncBatchNorm expected input tensor to be on GPU"):
-        run_on_ranks(sync_batch_norm_on_cpu, 2, timeout=60)
+        run_on_ranks(sync_batch_norm_on_cpu, world_size, timeout=60)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
