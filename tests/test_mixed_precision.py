@@ -136,6 +136,28 @@ def test_autocast_computes_in_low_precision_but_parameters_and_gradients_stay_fp
     assert {p.grad.dtype for p in model.parameters()} == {torch.float32}  # so DDP all-reduces fp32 gradients
 
 
+AUTOCAST_DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", AUTOCAST_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_computes_losses_in_fp32_but_softmax_and_sums_in_fp32_on_cuda_only(device, dtype):
+    # The op lists differ per device (ATen's autocast_mode.cpp): CUDA puts softmax, log_softmax and sum on its
+    # fp32 list; CPU's fp32 list holds the losses, and softmax and sums keep the low-precision dtype there.
+    generator = torch.Generator().manual_seed(0)
+    X, weight = torch.randn(4, 10, generator=generator), torch.randn(10, 10, generator=generator)
+    X, weight, y = X.to(device), weight.to(device), torch.arange(4, device=device)
+    with torch.autocast(device_type=device, dtype=dtype):
+        logits = F.linear(X, weight)
+        dtypes = {"linear": logits.dtype, "softmax": F.softmax(logits, dim=-1).dtype,
+                  "log_softmax": F.log_softmax(logits, dim=-1).dtype, "sum": logits.sum().dtype,
+                  "cross_entropy": F.cross_entropy(logits, y).dtype,
+                  "mse_loss": F.mse_loss(logits, torch.zeros_like(logits)).dtype}
+    fp32_on_cuda = torch.float32 if device == "cuda" else dtype
+    assert dtypes == {"linear": dtype, "softmax": fp32_on_cuda, "log_softmax": fp32_on_cuda, "sum": fp32_on_cuda,
+                      "cross_entropy": torch.float32, "mse_loss": torch.float32}
+
+
 def test_check_precision_accepts_what_this_cpu_runs():
     for precision in ("fp32", "bf16", "fp16"):
         check_precision(precision, torch.device("cpu"))  # PyTorch 2.14 autocasts both on CPU, and scales fp16
