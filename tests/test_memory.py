@@ -15,10 +15,11 @@ def test_adam_holds_16_bytes_per_parameter_in_fp32_and_in_zeros_mixed_precision(
 
 
 def test_the_zero_papers_example_7_5_billion_parameters_on_64_ranks():
-    # ZeRO paper, figure 1: Psi = 7.5 B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB and 1.88 GB per device
+    # ZeRO paper (SC20), figure 1: Psi = 7.5 B, N = 64, K = 12; it prints 120, 31.4, 16.6 and 1.9 GB per device
     psi, n = 7.5e9, 64
     figures = [zero_bytes_per_rank(psi, n, stage, "mixed")["total"] / 1e9 for stage in range(4)]
-    assert figures == pytest.approx([120, 31.4, 16.6, 1.88], abs=0.05)
+    assert figures == pytest.approx([120, 31.40625, 16.640625, 1.875])  # the exact arithmetic, in GB
+    assert [round(figure, 1) for figure in figures] == [120, 31.4, 16.6, 1.9]  # as the figure rounds them
 
 
 def test_each_stage_divides_one_more_part_by_the_world_size():
