@@ -138,9 +138,11 @@ def gather_rng_states() -> list[dict]:
 def restart_attempt(device: torch.device | str = "cpu") -> int:
     """Which attempt of the run this is: 0 at first, 1 after the first restart... the same on every rank.
 
-    ``TORCHELASTIC_RESTART_COUNT`` is counted by each node's agent: when one node's worker fails, that agent
-    restarts its workers with count 1, while another node, restarted because its peers left, can start its
-    own with count 0 (measured with PyTorch 2.14.1). The maximum over all ranks is the run's attempt number.
+    ``TORCHELASTIC_RESTART_COUNT`` is counted by each node's agent (max restarts minus its remaining ones): when
+    one node's worker fails, that agent restarts its workers with count 1, while another node's agent that finds
+    its workers still running when the failed node rejoins restarts them as a membership change, which spends no
+    restart: count 0 (``SimpleElasticAgent._invoke_run``, PyTorch 2.14.1). The maximum over all ranks is the
+    run's attempt number.
     Call it on every rank (it all-reduces).
     """
     count = torch.tensor(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), device=device)

@@ -72,6 +72,25 @@ def test_rng_states_survive_a_weights_only_checkpoint(tmp_path):
     assert random.random() == expected[2]
 
 
+class NotATensor:
+    """An object of a class that ``torch.load(weights_only=True)`` has not been told to allow."""
+
+
+def test_torch_load_refuses_arbitrary_objects_by_default_and_an_explicit_weights_only_resists_the_override(
+        tmp_path, monkeypatch):
+    import pickle
+
+    torch.save({"step": 3, "payload": NotATensor()}, tmp_path / "checkpoint.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(tmp_path / "checkpoint.pt")  # the default since PyTorch 2.6: weights_only=True
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(tmp_path / "checkpoint.pt", weights_only=True)  # explicit: the variable cannot override it
+    with pytest.warns(UserWarning, match="TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        loaded = torch.load(tmp_path / "checkpoint.pt")  # the default is overridden: a full unpickler
+    assert isinstance(loaded["payload"], NotATensor)
+
+
 WRITER = """
 import sys, torch
 from common.fault_tolerance import checkpoint_path, write_verified
