@@ -68,17 +68,26 @@ def without_variable(command: str) -> str:
 
 
 def run_in_shell(command: str, folder, env, timeout: float) -> tuple[int | None, str]:
-    """``bash -c command`` in ``folder``: (exit status, or None after a timeout; stdout and stderr). On a timeout
-    the command's whole process group is killed (torchrun and its workers too), not only the shell."""
-    process = subprocess.Popen(["bash", "-c", command], cwd=folder, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-        return process.returncode, output
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        return None, output
+    """``bash -c command`` in ``folder``: (exit status, or None after a timeout; stdout and stderr together).
+
+    On a timeout the command's process group gets SIGTERM, which torchrun passes on to its workers (they run in
+    sessions of their own, out of reach of the group), then SIGKILL after 15 s. The output goes to a file, not a
+    pipe, so that a worker left behind cannot keep this function waiting for the end of its output."""
+    with tempfile.TemporaryFile("w+") as sink:
+        process = subprocess.Popen(["bash", "-c", command], cwd=folder, env=env, stdout=sink,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            status = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            status = None
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        sink.seek(0)
+        return status, sink.read()
 
 
 def run_once(command: str, timeout: float) -> tuple[bool, float, list[str]]:
@@ -98,10 +107,12 @@ def run_once(command: str, timeout: float) -> tuple[bool, float, list[str]]:
 
 def failure_lines(output: str, limit: int = 4) -> list[str]:
     """The first few distinct lines that say what went wrong, the intended failure left out."""
-    lines = []
+    lines, seen = [], set()
     for line in output.splitlines():
         line = line.strip()
-        if FAILURE.search(line) and "fails on purpose" not in line and line not in lines:
+        shape = re.sub(r"\d+", "N", line)  # one line per message: the retries differ only in ports and counts
+        if FAILURE.search(line) and "fails on purpose" not in line and shape not in seen:
+            seen.add(shape)
             lines.append(line[:240])
     return lines[:limit]
 

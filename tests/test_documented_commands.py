@@ -47,6 +47,8 @@ TIMEOUT = 240  # seconds per command; the two-node fault drill, the slowest, tak
 
 FOUR_GPUS = "written for a machine with 4 GPUs (NCCL)"
 MEASURES = "a benchmark, which measures for minutes by design"
+# These cost a minute each here, and the lab test runs the very same launch and settings, in folders of its own.
+SAME_LAUNCH = "the same rehearsal, with the same settings and its own folders, runs in tests/labs/test_05_multi_node.py"
 SMALL_PRECISION = ("tests/test_benchmarks.py::test_the_mixed_precision_benchmark_prints_a_row_per_precision_and_"
                    "bf16_saves_less_for_backward runs it on small settings")
 NOT_RUN = {
@@ -77,11 +79,19 @@ NOT_RUN = {
         "a SLURM cluster; tests/test_multi_node.py checks the script's syntax and its torchrun line",
     "kubectl apply -f launch/pytorchjob_multi_node.yaml":
         "a Kubernetes cluster with the Kubeflow training operator; tests/test_multi_node.py checks the YAML",
-    "torchrun --standalone --nproc_per_node=2 benchmarks/grad_accumulation.py":
+    "torchrun --standalone --nproc_per_node=2 benchmarks/grad_accumulation.py --steps 5 --rounds 5":
         f"{MEASURES}; tests/test_benchmarks.py::test_the_accumulation_benchmark_counts_one_allreduce_round_per_"
         "effective_step_under_no_sync runs it on small settings",
     "python benchmarks/mixed_precision.py": f"{MEASURES}: 4 minutes or more on 2 cores; {SMALL_PRECISION}",
     "python benchmarks/mixed_precision.py --model lenet --steps 20": f"{MEASURES}; {SMALL_PRECISION}",
+    "python benchmarks/lr_scaling.py": f"{MEASURES}: four training runs, over 2 minutes on 2 shared cores even "
+                                       "with --epochs 1",
+    "python scripts/rehearse_two_nodes.py -- solutions/05_multi_node.py --dataset digits --epochs 2 --batch-size 32 "
+    "--checkpoint-every 4 --checkpoint-dir checkpoints/rehearsal/node{node}":
+        f"{SAME_LAUNCH}::test_two_launchers_form_a_world_of_4_and_only_global_rank_0_writes",
+    "python scripts/rehearse_two_nodes.py --max-restarts 1 -- solutions/05_multi_node.py --dataset digits --epochs 2 "
+    "--batch-size 32 --checkpoint-every 4 --checkpoint-dir checkpoints/drill_two_nodes --fail-at-step 14":
+        f"{SAME_LAUNCH}::test_a_crash_with_max_restarts_resumes_to_bit_identical_parameters",
     "make demo": "make needs the repository as its folder and would set up .venv there; the torchrun line it runs "
                  "(solutions/01_ddp_basic.py --dataset digits on 2 processes) runs here",
     "make test": "the whole test suite, of which this test is a part",
