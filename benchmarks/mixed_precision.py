@@ -20,6 +20,7 @@ import argparse
 import multiprocessing
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +96,24 @@ def measure(model_name: str, precision: str, batch_size: int, steps: int, device
             "saved_mib": saved_mib, "peak_mib": peak_memory_mib(device)}
 
 
+# The CPU features that decide how fast bf16 and fp16 can be: AVX512_BF16 and AMX have bf16 dot products, AVX512_FP16
+# and AMX-FP16 fp16 arithmetic; with AVX2 and F16C alone, 16-bit values are converted to fp32 to compute.
+SIXTEEN_BIT_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
+
+
+def describe_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """One line: the instruction set PyTorch's CPU kernels dispatch to, and which 16-bit-relevant flags the CPU has."""
+    try:
+        flags_line = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags"))
+        flags = set(flags_line.split(":", 1)[1].split())
+    except (OSError, StopIteration):  # not Linux, or no flags line: say so rather than guess
+        return f"cpu capability {torch.backends.cpu.get_cpu_capability()}; cpu flags unknown (no {cpuinfo})"
+    present = [flag for flag in SIXTEEN_BIT_CPU_FLAGS if flag in flags]
+    absent = [flag for flag in SIXTEEN_BIT_CPU_FLAGS if flag not in flags]
+    return (f"cpu capability {torch.backends.cpu.get_cpu_capability()}; cpu flags present: {' '.join(present) or '-'}"
+            f"; absent: {' '.join(absent) or '-'}")
+
+
 def main(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch_size = args.batch_size or (256 if device.type == "cuda" else 64)
@@ -104,6 +123,8 @@ def main(args):
     print(f"{args.model}, batch {batch_size}, median of {args.steps} steps after {WARMUP_STEPS} warm-up, best of "
           f"{args.rounds} round(s), one process on {where}, PyTorch {torch.__version__}; peak = {memory_kind(device)}",
           flush=True)
+    if device.type == "cpu":
+        print(describe_cpu(), flush=True)
     context = multiprocessing.get_context("spawn")
     best = {}
     for _ in range(args.rounds):

@@ -158,6 +158,33 @@ def test_autocast_computes_losses_in_fp32_but_softmax_and_sums_in_fp32_on_cuda_o
                       "cross_entropy": torch.float32, "mse_loss": torch.float32}
 
 
+def test_the_mixed_precision_benchmark_names_the_cpu_capability_and_the_16_bit_flags_present_and_absent(tmp_path):
+    describe_cpu = load_script(REPO / "benchmarks/mixed_precision.py").describe_cpu
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n")
+    assert describe_cpu(cpuinfo) == (f"cpu capability {torch.backends.cpu.get_cpu_capability()}; "
+                                     "cpu flags present: avx2 fma f16c; "
+                                     "absent: avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_fp16")
+    assert "cpu flags unknown" in describe_cpu(tmp_path / "no_such_file")
+
+
+def test_bf16_saves_more_for_backward_than_fp32_at_batch_1_and_less_at_batch_16():
+    # autocast saves a bf16 copy of each weight it casts (2 bytes x 2.47 M parameters, whatever the batch), and
+    # halves the float activations: the copies outweigh the halving at 1 image, not at 16. The lesson's figures,
+    # rounded as benchmarks/mixed_precision.py prints them.
+    from common.models import SimpleCNN
+
+    saved_for_backward_mib = load_script(REPO / "benchmarks/mixed_precision.py").saved_for_backward_mib
+    torch.manual_seed(0)
+    net = SimpleCNN()
+    saved = {}
+    for batch_size in (1, 16):
+        X, y = torch.randn(batch_size, *SimpleCNN.input_shape), torch.randint(0, 10, (batch_size,))
+        saved[batch_size] = {precision: round(saved_for_backward_mib(net, X, y, precision), 1)
+                             for precision in ("fp32", "bf16")}
+    assert saved == {1: {"fp32": 1.2, "bf16": 5.4}, 16: {"fp32": 19.5, "bf16": 16.2}}
+
+
 def test_check_precision_accepts_what_this_cpu_runs():
     for precision in ("fp32", "bf16", "fp16"):
         check_precision(precision, torch.device("cpu"))  # PyTorch 2.14 autocasts both on CPU, and scales fp16
