@@ -26,8 +26,8 @@ continue from it, and end with the parameters an uninterrupted run would have, b
         --checkpoint-dir /shared/checkpoints/job42
 
     # fault drill: the last rank fails at step 30 on the first attempt; torchrun restarts all, they resume
-    # (it resumes from checkpoints/drill: delete that folder to drill again). TORCH_DISABLE_SHARE_RDZV_TCP_STORE
-    # is read by torchrun's agent: unset, every attempt shares one store and a restart reads dead peers' addresses
+    # (run again, it would resume the finished run: delete checkpoints/drill first). TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    # is read by torchrun's agent: unset, every attempt shares one store and a restart can read dead peers' addresses
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 --max-restarts 1 \
         solutions/05_multi_node.py --dataset digits --checkpoint-dir checkpoints/drill --checkpoint-every 10 \
         --fail-at-step 30
