@@ -79,8 +79,9 @@ for name, psi, n, precision, unit in [("DeepMLP", num_parameters, 4, "fp32", 1e6
 #
 # `common.fsdp.measure_model_state` builds the default `DeepMLP`, applies a strategy, takes one Adam step and
 # counts the bytes of this rank's parameters, gradients and optimizer states (for a DTensor: its local shard
-# only), plus the parameter bytes held between forward and backward. The last column is the arithmetic:
-# stage 0 for DDP, 1 for ZeRO-1, 3 for both FSDP2 modes (at rest they shard alike).
+# only), plus the parameter bytes held between forward and backward. It wraps the model with `shard_model` of
+# `solutions/03_fsdp.py`, the script's own code. The "predicted" column is the arithmetic: stage 0 for DDP, 1 for
+# ZeRO-1, 3 for both FSDP2 modes (at rest they shard alike).
 
 # %%
 PREDICTED_STAGE = {"ddp": 0, "zero1": 1, "fsdp-grad-op": 3, "fsdp-full": 3}
@@ -89,7 +90,7 @@ print(f"DeepMLP, {num_parameters:,} parameters, Adam fp32, gloo on CPU: MB held 
       f"{'N':>2} {'strategy':>12} | {'parameters':>10} {'gradients':>9} {'optimizer':>9} {'total':>6} (rank 0) | "
       f"{'largest total':>13} {'predicted':>9} | {'after forward':>13}")
 for world_size, ranks in measured.items():
-    for strategy in STRATEGIES:
+    for strategy in PREDICTED_STAGE:
         rank0, largest = ranks[0][strategy], max(rank[strategy]["total"] for rank in ranks)
         predicted = zero_bytes_per_rank(num_parameters, world_size, PREDICTED_STAGE[strategy])["total"]
         print(f"{world_size:>2} {strategy:>12} | {rank0['parameters'] / 1e6:10.2f} {rank0['gradients'] / 1e6:9.2f} "
@@ -102,9 +103,38 @@ for world_size, ranks in measured.items():
 # (each parameter's states live on one rank): the ranks' totals straddle the prediction, and a rank's share
 # depends on which tensors it drew (with 4 ranks, one of them holds two 512 x 512 block weights' states).
 # `fsdp-grad-op` shards like `fsdp-full` between steps, but its "after forward" column shows the price: every
-# block stays gathered from its forward to its backward. Activations and temporary buffers are not counted
-# here; on a GPU `torch.cuda.max_memory_allocated` would add them (`measure_model_state` reports it there). No
-# GPU figures have been measured for this notebook.
+# block stays gathered from its forward to its backward. Under `fsdp-full` "after forward" is more than 1/N: the
+# root's own parameters (the stem, 784 x 512, and the head) stay gathered, the next section says why.
+# Activations and temporary buffers are not counted here; on a GPU `torch.cuda.max_memory_allocated` would add
+# them (`measure_model_state` reports it there). No GPU figures have been measured for this notebook.
+#
+# ## The root: gathered once per step
+#
+# `fully_shard`'s `reshard_after_forward` defaults to `None`: `True` for every unit but the root, `False` for the
+# root. Backward starts with the root's own parameters (the head), so resharding them after forward would only
+# gather them again at once. `fsdp-full-root-resharded` forces `True` on the root too
+# (`set_reshard_after_forward(True, recurse=False)`, or `fully_shard(model, reshard_after_forward=True)`).
+# `CommDebugMode` counts the all-gathers of one training step; "backward start" is the parameter bytes held once
+# the head's backward has run.
+
+# %%
+mlp = DeepMLP()
+root_parameters = sum(p.numel() for module in (mlp.stem, mlp.head) for p in module.parameters())
+print(f"the root's own parameters (stem and head): {root_parameters:,}, {root_parameters / num_parameters:.0%} of the "
+      f"model; {1 + len(mlp.blocks)} units\n")
+print(f"{'N':>2} {'strategy':>24} | {'all-gathers per step':>20} | MB held: {'after forward':>13} {'backward start':>14}")
+for world_size, ranks in measured.items():
+    for strategy in ("fsdp-grad-op", "fsdp-full", "fsdp-full-root-resharded"):
+        rank0 = ranks[0][strategy]
+        print(f"{world_size:>2} {strategy:>24} | {rank0['all_gathers']:>20} | {'':>8} "
+              f"{rank0['after_forward'] / 1e6:13.2f} {rank0['backward_start'] / 1e6:14.2f}")
+
+# %% [markdown]
+# Forcing the root to reshard saves its bytes only between the forward and the backward, when nothing computes;
+# the moment backward begins they are back (the "backward start" columns agree), and the step pays one
+# all-gather more, of the root's parameters: 28% of this model, since its stem is the largest layer. With one
+# process there is nothing to gather. To shard the stem between its forward and its backward, give it a unit of
+# its own (`fully_shard(model.stem)` before the root): one all-gather more in forward and one in backward.
 #
 # ## FSDP2 trains like DDP
 #
@@ -127,7 +157,10 @@ for sharding in ("none", "full"):
 # ## A checkpoint from 2 processes, resumed by another number of them
 #
 # Each of the 2 ranks wrote its own shard file; `.metadata` records which slice of which tensor each holds.
-# A run at another world size asks DCP for the slices its own shards cover.
+# A run at another world size asks DCP for the slices its own shards cover. It loads exactly the saved state,
+# but what follows is another run: `--batch-size` is per process, so the steps and their batches differ from
+# the 2-process run's. At the same world size, DeepMLP would go on bit-identically (lesson 06 says what holds for
+# a model with dropout or BatchNorm).
 
 # %%
 print(sorted(path.name for path in (REPO / checkpoints / "epoch-0001").iterdir()))
