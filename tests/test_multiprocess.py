@@ -454,7 +454,7 @@ def test_without_join_uneven_inputs_pair_unrelated_collectives_and_fail():
 def test_join_lets_each_rank_run_its_own_number_of_steps_and_keeps_the_replicas_identical():
     from common.demos import train_on_uneven_inputs, uneven_batches
 
-    ranks = run_on_ranks(train_on_uneven_inputs, 2, True, timeout=30)
+    ranks = run_on_ranks(train_on_uneven_inputs, 2, True, timeout=120)
     assert [rank["steps"] for rank in ranks] == [4, 3]
     assert [rank["in_sync"] for rank in ranks] == [True, True]
     # The reference: three steps on both ranks' batches, then one on rank 0's alone. The joined rank adds zeros
