@@ -6,7 +6,7 @@ import torch
 from common.collectives import count_messages, naive_all_reduce, ring_all_reduce
 from common.launch import run_on_ranks
 
-NUMEL = 1200  # divides by 2, 3 and 4: every ring chunk holds S/N bytes
+NUMEL = 1200  # divides by 2 and 4: every ring chunk holds S/N bytes
 
 
 def messages_per_rank(env):
@@ -20,7 +20,7 @@ def messages_per_rank(env):
     return counts
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 4])  # 3 ranks: tests/test_benchmarks.py counts them through the benchmark
 def test_naive_posts_2_n_minus_1_messages_on_rank_0_and_the_ring_4_n_minus_1_of_s_over_n_on_every_rank(world_size):
     N, S = world_size, NUMEL * 4
     ranks = run_on_ranks(messages_per_rank, world_size, timeout=120)
