@@ -121,7 +121,7 @@ print(f"parameters bit-identical (torch.equal on every tensor): {identical}")
 # %% [markdown]
 # ## Without restarts: the failure ends everything, promptly
 #
-# The same failure with `--max-restarts 0`: the failing rank is named in torchrun's summary, and every
+# A failure again, now at step 3 and with `--max-restarts 0`: the failing rank is named in torchrun's summary, and every
 # process on both nodes ends by itself, since gloo tells the others that their peer closed the connection.
 
 # %%
