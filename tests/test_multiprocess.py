@@ -1,4 +1,4 @@
-"""Correctness across processes: each test forms a real gloo process group of 2 or 3 CPU processes.
+"""Correctness across processes: each test forms a real gloo process group of 2 to 4 CPU processes.
 
 The functions that run on the ranks live at module level, because spawned processes import them by name.
 Every run has a deadline (``timeout``), so a hang fails the test in seconds instead of stalling CI.
@@ -469,3 +469,105 @@ def test_join_lets_each_rank_run_its_own_number_of_steps_and_keeps_the_replicas_
         optimizer.step()
     for rank in ranks:
         torch.testing.assert_close(rank["params"], [p.detach() for p in model.parameters()])
+
+
+def resume_through_a_fresh_ddp_wrapper(env, batch_size: int = 2) -> dict:
+    """Two SGD steps of LeNet through DDP, uninterrupted and resumed, on all 4 ranks and on ranks 0-1 alone.
+
+    Resumed: a fresh LeNet and a fresh DDP wrapper load the model and optimizer state saved after step 1, then
+    take step 2 on the same batch. Both runs start step 2 from the same bits, so each rank's own gradients are
+    the same too; only DDP's bucket can differ. For each case, rank's parameters after step 2 in both runs and
+    the bucket layout step 2 all-reduced (``model.parameters()`` indices, in bucket order).
+    """
+    import copy
+
+    import torch.distributed as dist
+
+    generator = torch.Generator().manual_seed(env.rank)  # fixed data, different on every rank
+    steps = [(torch.randn(batch_size, 1, 28, 28, generator=generator),
+              torch.randint(0, 10, (batch_size,), generator=generator)) for _ in range(2)]
+    ranks_0_and_1 = dist.new_group([0, 1])  # every rank takes part in creating a group
+
+    def step(net, optimizer, X, y):
+        optimizer.zero_grad()
+        F.cross_entropy(net(X), y).backward()
+        optimizer.step()
+
+    def bucket_layout(net):
+        index = {parameter: i for i, parameter in enumerate(net.module.parameters())}
+        return [[index[p] for p in bucket.parameters()] for bucket in net.reducer._get_zeros_like_grad_buckets()]
+
+    results = {}
+    for world_size, group in ((4, None), (2, ranks_0_and_1)):
+        if env.rank >= world_size:
+            continue
+        for name, ddp_kwargs in (("default", {}), ("find_unused_parameters=True", {"find_unused_parameters": True})):
+            set_seed(0)
+            net = DDP(LeNet(), process_group=group, **ddp_kwargs)
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+            step(net, optimizer, *steps[0])
+            # A deep copy: optimizer.state_dict() holds the momentum buffers themselves, which step 2 changes.
+            checkpoint = copy.deepcopy({"model": net.module.state_dict(), "optimizer": optimizer.state_dict()})
+            step(net, optimizer, *steps[1])
+            uninterrupted = [p.detach().clone() for p in net.module.parameters()]
+            uninterrupted_layout = bucket_layout(net)  # DDP rebuilds its buckets in step 2's forward
+
+            model = LeNet()
+            model.load_state_dict(checkpoint["model"])
+            net = DDP(model, process_group=group, **ddp_kwargs)
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            step(net, optimizer, *steps[1])  # the fresh wrapper's first step: its initial buckets
+            results[f"{world_size} ranks, {name}"] = {
+                "uninterrupted": uninterrupted, "resumed": [p.detach().clone() for p in net.module.parameters()],
+                "layouts": [uninterrupted_layout, bucket_layout(net)]}
+    dist.barrier()  # ranks 2 and 3 leave only once ranks 0 and 1 are done with their group
+    return results
+
+
+@pytest.fixture(scope="module")
+def resumed_steps():
+    """Rank 0's results of one 4-process run of ``resume_through_a_fresh_ddp_wrapper``."""
+    return run_on_ranks(resume_through_a_fresh_ddp_wrapper, 4, timeout=180)[0]
+
+
+def ulps_at_tensor_scale(a, b):
+    """The largest |a - b| of each pair of tensors, in ulps of float32 at the tensor's largest |value|."""
+    ulps = []
+    for x, y in zip(a, b):
+        largest = x.abs().max()
+        ulps.append(float((x - y).abs().max() / (torch.nextafter(largest, torch.tensor(float("inf"))) - largest)))
+    return ulps
+
+
+def test_with_4_ranks_and_default_buckets_a_step_resumed_through_a_fresh_ddp_wrapper_is_off_by_rounding(
+        resumed_steps):
+    case = resumed_steps["4 ranks, default"]
+    uninterrupted, resumed = case["uninterrupted"], case["resumed"]
+    rebuilt, initial = case["layouts"]
+    # One bucket (LeNet's 516 KB < DDP's 1 MiB first cap) both times, its parameters in another order: the
+    # uninterrupted run's is rebuilt in the order gradients became ready, the fresh wrapper's is the initial one.
+    assert len(rebuilt) == len(initial) == 1 and rebuilt != initial and sorted(rebuilt[0]) == initial[0]
+    differing = sum(int((x != y).sum()) for x, y in zip(uninterrupted, resumed))
+    largest = max(float((x - y).abs().max()) for x, y in zip(uninterrupted, resumed))
+    ulps = ulps_at_tensor_scale(uninterrupted, resumed)
+    figure = (f"{differing} of {sum(x.numel() for x in uninterrupted)} parameters differ, by at most {largest:.3g}; "
+              f"per tensor, in ulps at its largest |value|: {ulps}")
+    print(f"\n4 ranks, DDP defaults, resumed vs uninterrupted step 2: {figure}")
+    assert differing > 0, figure
+    # Rounding, not a wrong gradient: no tensor moves by more than 2 ulps of its largest value.
+    assert max(ulps) <= 2, figure
+
+
+def test_with_find_unused_parameters_a_resumed_step_equals_the_uninterrupted_one(resumed_steps):
+    for world_size in (4, 2):
+        case = resumed_steps[f"{world_size} ranks, find_unused_parameters=True"]
+        assert case["layouts"][0] == case["layouts"][1]  # the initial buckets, never rebuilt
+        assert all(torch.equal(x, y) for x, y in zip(case["uninterrupted"], case["resumed"])), world_size
+
+
+def test_with_2_ranks_a_resumed_step_equals_the_uninterrupted_one_whatever_the_bucket_order(resumed_steps):
+    case = resumed_steps["2 ranks, default"]
+    assert case["layouts"][0] != case["layouts"][1]  # rebuilt, as with 4 ranks
+    # a + b == b + a in floating point: with two ranks, no summation order can change a bit.
+    assert all(torch.equal(x, y) for x, y in zip(case["uninterrupted"], case["resumed"]))
