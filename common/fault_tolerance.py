@@ -116,7 +116,9 @@ def set_rng_state(state: dict) -> None:
     version, python_state, gauss = state["python"]
     random.setstate((version, tuple(python_state), gauss))
     kind, keys, position, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    # .cpu(): a checkpoint loaded with map_location="cuda" (as the scripts load it, onto their device) brings every
+    # tensor to the GPU, these too, and NumPy reads host memory only.
+    np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), position, has_gauss, cached))
     torch.set_rng_state(state["torch"].cpu())
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

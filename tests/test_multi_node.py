@@ -59,7 +59,12 @@ def test_pruning_keeps_the_newest_and_ignores_temporary_files(tmp_path):
         "step_00000003.pt.sha256"]
 
 
-def test_rng_states_survive_a_weights_only_checkpoint(tmp_path):
+@pytest.mark.parametrize("map_location", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the scripts "
+                                                  "load checkpoints onto their device, RNG states included")),
+])
+def test_rng_states_survive_a_weights_only_checkpoint(tmp_path, map_location):
     import random
 
     import numpy as np
@@ -67,7 +72,7 @@ def test_rng_states_survive_a_weights_only_checkpoint(tmp_path):
     torch.manual_seed(1), np.random.seed(1), random.seed(1)
     write_verified(tmp_path / "rng.pt", {"rng": [rng_state()]})
     expected = (torch.rand(3), np.random.rand(3), random.random())
-    set_rng_state(read_verified(tmp_path / "rng.pt")["rng"][0])
+    set_rng_state(read_verified(tmp_path / "rng.pt", map_location=map_location)["rng"][0])
     assert torch.equal(torch.rand(3), expected[0]) and (np.random.rand(3) == expected[1]).all()
     assert random.random() == expected[2]
 
