@@ -33,18 +33,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.cli import positive_int
+from common.cli import parse_size, positive_int
 from common.collectives import count_messages, exchange, naive_all_reduce, ring_all_reduce
 from common.distributed import BACKENDS, print0, setup_distributed, teardown_distributed
 
-UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 ALGORITHMS = {"naive": naive_all_reduce, "ring": ring_all_reduce, "dist.all_reduce": dist.all_reduce}
-
-
-def parse_size(text: str) -> int:
-    """'4K', '16M', '1G' or a plain number of bytes -> bytes."""
-    scale = UNITS.get(text[-1].upper(), 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
 def parse_args(argv=None):

@@ -2,6 +2,8 @@
 
 import argparse
 
+UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}  # binary: 1K is 1024 bytes
+
 
 def positive_int(text: str) -> int:
     """An ``int`` of at least 1 (batch sizes, epochs)."""
@@ -25,3 +27,9 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
+
+
+def parse_size(text: str) -> int:
+    """'4K', '16M', '1G' or a plain number of bytes -> bytes."""
+    scale = UNITS.get(text[-1].upper(), 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common.cli import parse_size
 from common.collectives import exchange, naive_all_reduce
 from common.distributed import print0, set_seed, setup_distributed, teardown_distributed
 from common.models import LeNet
@@ -57,15 +58,6 @@ def all_reduce_gradients(model: torch.nn.Module, all_reduce=dist.all_reduce) -> 
 
 
 ALGORITHMS = {"naive": naive_all_reduce, "ring": ring_all_reduce, "dist.all_reduce": dist.all_reduce}
-UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """'4K', '16M', '1G' or a plain number of bytes -> bytes."""
-    scale = UNITS.get(text[-1].upper(), 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
 def time_all_reduce(all_reduce, tensor: torch.Tensor, iterations: int, warmup: int = 2) -> float:
     """Median seconds per call, each call timed as the slowest rank saw it."""
     times = []

@@ -114,12 +114,7 @@ def side_by_side(env, checkpoint_dir):
     train(zero_net, zero, step_batches(env))
     results["zero1"] = full_parameters(zero_net)
 
-    torch.manual_seed(0)
-    big = DDP(DeepMLP())
-    zero = ZeroRedundancyOptimizer(big.parameters(), optimizer_class=torch.optim.Adam)
-    X, y = step_batches(env)[0]
-    F.cross_entropy(big(X), y).backward()
-    zero.step()
+    big, zero = zero1_step_on_the_big_model(env)
     results["zero1_bytes"] = training_state_bytes(big, zero)
     results["fsdp_bytes"] = model_state_of_the_big_model(env)
     # what the root's reshard_after_forward changes: all-gathers per step, parameter bytes held
@@ -128,17 +123,23 @@ def side_by_side(env, checkpoint_dir):
     return results
 
 
-def reload_and_measure(env, checkpoint_dir):
-    fsdp = load_script(SOLUTION)
-    net = fsdp.shard_model(odd_model(), env, "full")  # a fresh model: its own initial weights, no Adam state
-    optimizer = torch.optim.Adam(net.parameters(), lr=LR)
-    progress = fsdp.load_checkpoint(checkpoint_dir / "sharded", net, optimizer)
+def zero1_step_on_the_big_model(env):
+    """DeepMLP under DDP with ZeRO-1 (Adam) after one step: its optimizer state now exists, sharded."""
     torch.manual_seed(0)
     big = DDP(DeepMLP())
     zero = ZeroRedundancyOptimizer(big.parameters(), optimizer_class=torch.optim.Adam)
     X, y = step_batches(env)[0]
     F.cross_entropy(big(X), y).backward()
     zero.step()
+    return big, zero
+
+
+def reload_and_measure(env, checkpoint_dir):
+    fsdp = load_script(SOLUTION)
+    net = fsdp.shard_model(odd_model(), env, "full")  # a fresh model: its own initial weights, no Adam state
+    optimizer = torch.optim.Adam(net.parameters(), lr=LR)
+    progress = fsdp.load_checkpoint(checkpoint_dir / "sharded", net, optimizer)
+    big, zero = zero1_step_on_the_big_model(env)
     return {"progress": progress, "parameters": full_parameters(net),
             "exp_avg": [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()],
             "local_rows": net.blocks[0][0].weight.to_local().shape[0],
