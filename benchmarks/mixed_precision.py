@@ -1,7 +1,12 @@
-"""fp32 vs bf16 vs fp16: training speed and memory of one process, per precision.
+"""fp32 vs tf32 vs bf16 vs fp16: training speed and memory of one process, per precision.
 
     python benchmarks/mixed_precision.py                        # SimpleCNN; batch 256 on a GPU, 64 on a CPU
     python benchmarks/mixed_precision.py --precisions fp32 bf16 --batch-size 128 --steps 20
+
+The rows: ``fp32`` computes in full fp32 (TF32 off for matrix products and convolutions, which PyTorch's
+defaults leave on for cuDNN convolutions); ``tf32`` keeps fp32 tensors but lets matrix products and convolutions
+use TF32 tensor cores (CUDA on Ampere or newer only; 10 mantissa bits); ``bf16`` and ``fp16`` autocast, fp16 with
+``torch.amp.GradScaler``. On a GPU the default runs all four, on a CPU fp32, bf16 and fp16.
 
 Each row times ``--steps`` full training steps (autocast forward, scaled backward for fp16, SGD step) on one
 fixed random batch, after 2 untimed warm-up steps, and takes the median step. ``--rounds`` repeats the whole
@@ -17,6 +22,7 @@ machine other work can only slow a measurement down. Two memory figures:
 """
 
 import argparse
+import json
 import multiprocessing
 import statistics
 import time
@@ -31,6 +37,8 @@ from common.models import MODELS
 from common.precision import PRECISIONS, check_precision
 
 WARMUP_STEPS = 2
+# fp32 tensors with TF32 tensor-core arithmetic: not an autocast dtype, a setting of the matmul and conv backends
+VARIANTS = ("fp32", "tf32", *(precision for precision in PRECISIONS if precision != "fp32"))
 
 
 def parse_args(argv=None):
@@ -39,9 +47,33 @@ def parse_args(argv=None):
     parser.add_argument("--model", choices=list(MODELS), default="simplecnn")
     parser.add_argument("--batch-size", type=positive_int, help="default: 256 on a GPU, 64 on a CPU")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed training steps per precision")
-    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
+    parser.add_argument("--precisions", nargs="+", choices=VARIANTS,
+                        help="default: fp32 tf32 bf16 fp16 on a GPU that has TF32, fp32 bf16 fp16 elsewhere")
     parser.add_argument("--rounds", type=positive_int, default=3, help="repeat the comparison, keep the fastest")
+    parser.add_argument("--json", type=Path, help="also write the rows and the set-up to this file")
     return parser.parse_args(argv)
+
+
+def has_tf32(device: torch.device) -> bool:
+    """TF32 tensor cores exist on NVIDIA GPUs of compute capability 8.0 (Ampere) and newer, nowhere else."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def set_fp32_math(precision: str) -> None:
+    """How fp32 matrix products and convolutions compute on CUDA: TF32 for ``tf32``, full fp32 (``ieee``) else.
+
+    PyTorch's defaults differ per backend (cuDNN convolutions may use TF32, cuBLAS matrix products may not): both
+    are set here, so that ``fp32`` means fp32 and ``tf32`` means TF32. ``fp32_precision`` is the API that
+    replaces ``allow_tf32`` since PyTorch 2.9. The autocast rows keep this too, for the ops autocast leaves in fp32.
+    """
+    math = "tf32" if precision == "tf32" else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = math
+    torch.backends.cudnn.conv.fp32_precision = math
+
+
+def autocast_dtype(precision: str) -> torch.dtype:
+    """The dtype autocast runs in for a row: fp32 and tf32 keep fp32 (autocast off)."""
+    return torch.float32 if precision == "tf32" else PRECISIONS[precision]
 
 
 def saved_for_backward_mib(net, X, y, precision: str) -> float:
@@ -56,7 +88,8 @@ def saved_for_backward_mib(net, X, y, precision: str) -> float:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with torch.autocast(device_type=X.device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32"):
+        with torch.autocast(device_type=X.device.type, dtype=autocast_dtype(precision),
+                            enabled=precision in ("bf16", "fp16")):
             F.cross_entropy(net(X), y)  # the graph is dropped unused: this measures, it does not train
     return sum(saved.values()) / 2**20
 
@@ -64,6 +97,8 @@ def saved_for_backward_mib(net, X, y, precision: str) -> float:
 def measure(model_name: str, precision: str, batch_size: int, steps: int, device_name: str) -> dict:
     """Time ``steps`` training steps in ``precision``; return samples/s and ms of the median step, and the memory."""
     device = torch.device(device_name)
+    if device.type == "cuda":
+        set_fp32_math(precision)
     torch.manual_seed(0)
     model_class = MODELS[model_name]
     net = model_class().to(device)
@@ -73,7 +108,8 @@ def measure(model_name: str, precision: str, batch_size: int, steps: int, device
     y = torch.randint(0, 10, (batch_size,), device=device)
 
     def train_step():
-        with torch.autocast(device_type=device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32"):
+        with torch.autocast(device_type=device.type, dtype=autocast_dtype(precision),
+                            enabled=precision in ("bf16", "fp16")):
             loss = F.cross_entropy(net(X), y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -117,27 +153,35 @@ def describe_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 def main(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch_size = args.batch_size or (256 if device.type == "cuda" else 64)
-    for precision in args.precisions:
-        check_precision(precision, device)  # a clear message now, not a silent fp32 row later
+    precisions = args.precisions or [v for v in VARIANTS if v != "tf32" or has_tf32(device)]
+    for precision in precisions:
+        if precision == "tf32" and not has_tf32(device):
+            raise SystemExit(f"error: tf32 needs an NVIDIA GPU of compute capability 8.0 or newer, not {device}")
+        if precision != "tf32":
+            check_precision(precision, device)  # a clear message now, not a silent fp32 row later
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    print(f"{args.model}, batch {batch_size}, median of {args.steps} steps after {WARMUP_STEPS} warm-up, best of "
-          f"{args.rounds} round(s), one process on {where}, PyTorch {torch.__version__}; peak = {memory_kind(device)}",
-          flush=True)
+    setup = (f"{args.model}, batch {batch_size}, median of {args.steps} steps after {WARMUP_STEPS} warm-up, best of "
+             f"{args.rounds} round(s), one process on {where}, PyTorch {torch.__version__}; peak = {memory_kind(device)}")
+    print(setup, flush=True)
     if device.type == "cpu":
         print(describe_cpu(), flush=True)
     context = multiprocessing.get_context("spawn")
     best = {}
     for _ in range(args.rounds):
-        for precision in args.precisions:
+        for precision in precisions:
             with context.Pool(1) as pool:  # a fresh process per precision: its own peak memory, its own warm-up
                 row = pool.apply(measure, (args.model, precision, batch_size, args.steps, str(device)))
             if precision not in best or row["ms_per_step"] < best[precision]["ms_per_step"]:
                 best[precision] = row
     print(f"{'precision':>9} {'samples/s':>10} {'ms/step':>8} {'vs fp32':>7} {'saved MiB':>9} {'peak MiB':>8}")
     for precision, row in best.items():
-        speedup = f"{row['samples_per_second'] / best['fp32']['samples_per_second']:.2f}x" if "fp32" in best else "-"
+        row["vs_fp32"] = row["samples_per_second"] / best["fp32"]["samples_per_second"] if "fp32" in best else None
+        speedup = "-" if row["vs_fp32"] is None else f"{row['vs_fp32']:.2f}x"
         print(f"{precision:>9} {row['samples_per_second']:>10,.0f} {row['ms_per_step']:>8.1f} {speedup:>7} "
               f"{row['saved_mib']:>9.1f} {row['peak_mib']:>8.0f}")
+    if args.json:
+        args.json.write_text(json.dumps({"setup": setup, "batch_size": batch_size, "rows": list(best.values())},
+                                        indent=2))
 
 
 if __name__ == "__main__":
