@@ -4,7 +4,7 @@ In training, BatchNorm normalises each channel with the mean and variance of the
 a rank is given only its shard, so each rank normalises with different statistics. Its running averages are
 no better: DDP (``forward_sync_buffers=True``, the default) broadcasts rank 0's buffers at the start of every
 forward, so they are the averages of rank 0's shard, each other rank's moved by its own last batch
-(``common.demos.batch_norm_statistics_through_ddp`` shows it). ``nn.SyncBatchNorm`` combines the statistics of
+(``batch_norm_statistics_through_ddp`` shows it). ``nn.SyncBatchNorm`` combines the statistics of
 all ranks first, so every rank normalises with those of the whole global batch, and keeps their running
 averages, exactly as one process holding the whole batch would.
 
@@ -12,12 +12,19 @@ In PyTorch 2.14 ``nn.SyncBatchNorm`` runs on GPUs only: in training mode, with C
 group is initialised (a world of one included) its forward raises ``ValueError``. The functions here do the same arithmetic on any device and backend, gloo
 included, so the course can show it on CPUs. For training on GPUs, use the real layer:
 ``model = nn.SyncBatchNorm.convert_sync_batchnorm(model)`` before wrapping the model in DDP.
+
+The last functions of this module are lesson 03's demonstrations, run on every rank with
+``common.launch.run_on_ranks``: BatchNorm's statistics per rank, synchronized or not, and through DDP.
 """
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common.distributed import set_seed
+from common.models import SimpleCNN
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -104,3 +111,97 @@ def synchronize_batch_norms(model: nn.Module) -> nn.Module:
         else:
             synchronize_batch_norms(child)
     return model
+
+
+# Lesson 03's demonstrations: BatchNorm on one batch split over ranks, and BatchNorm's buffers under DDP.
+
+
+def batch_norm_batch() -> torch.Tensor:
+    """The fixed batch of the BatchNorm demo: 16 random 3x32x32 images, the last 8 brighter by 2.
+
+    Split over two ranks, rank 1 gets the bright half: the two halves have clearly different statistics.
+    """
+    X = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    X[8:] += 2
+    return X
+
+
+def batch_norm_across_ranks(env) -> dict:
+    """Run SimpleCNN's convolutional layers, in training mode, on this rank's share of ``batch_norm_batch()``.
+
+    Three times, from the same weights: with its plain BatchNorms ("plain"), with the hand-made synchronized
+    ones of this module ("synchronized"), and, when CUDA is available, with ``nn.SyncBatchNorm``
+    ("sync_batchnorm", on the GPU: PyTorch 2.14 has it for GPUs only). Reports each one's output and buffers.
+    """
+    X = batch_norm_batch().chunk(env.world_size)[env.rank]
+    conversions = {"plain": lambda model: model, "synchronized": synchronize_batch_norms}
+    if torch.cuda.is_available():
+        conversions["sync_batchnorm"] = nn.SyncBatchNorm.convert_sync_batchnorm
+        torch.backends.cudnn.conv.fp32_precision = "ieee"  # no TF32: the GPU's numbers must compare with the CPU's
+    results = {}
+    for name, convert in conversions.items():
+        # run_on_ranks joins the ranks with gloo on CPU; gloo also carries CUDA tensors, so two processes can
+        # share one GPU here.
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count()) if name == "sync_batchnorm" \
+            else env.device
+        set_seed(0)  # the same initial weights on every rank and for every variant
+        model = convert(SimpleCNN()).to(device)
+        features = model.features(X.to(device))  # training mode: BatchNorm normalises with batch statistics
+        results[name] = {"features": features.detach().cpu(),
+                         "buffers": {key: value.cpu() for key, value in model.named_buffers()}}
+    return results
+
+
+def ddp_batch_norm_batch(rank: int, step: int) -> torch.Tensor:
+    """Rank ``rank``'s input at ``step`` in the DDP BatchNorm demo: 4 random 2-channel 3x3 images, rank 1's
+    brighter by 2, so that each rank's statistics are told apart at a glance."""
+    return torch.randn(4, 2, 3, 3, generator=torch.Generator().manual_seed(100 * rank + step)) + 2 * rank
+
+
+def running_statistics(batches, momentum: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """BatchNorm2d's ``running_mean`` and ``running_var`` after training-mode forwards on ``batches``, by hand.
+
+    From the initial 0 and 1, each batch moves them ``momentum`` of the way to its per-channel mean and its
+    unbiased variance (over the batch, height and width).
+    """
+    mean, var = torch.zeros(batches[0].shape[1]), torch.ones(batches[0].shape[1])
+    for X in batches:
+        mean = (1 - momentum) * mean + momentum * X.mean(dim=(0, 2, 3))
+        var = (1 - momentum) * var + momentum * X.var(dim=(0, 2, 3), correction=1)
+    return mean, var
+
+
+def batch_norm_statistics_through_ddp(env, steps: int = 3) -> dict:
+    """Train a lone ``nn.BatchNorm2d(2)`` with DDP for ``steps`` steps on ``ddp_batch_norm_batch(rank, step)``.
+
+    Three ways: DDP's default ``forward_sync_buffers=True`` (at the start of every forward, DDP broadcasts rank
+    0's buffers to every rank), ``forward_sync_buffers=False``, and the hand-made synchronized BatchNorm of
+    this module. Reports each one's BatchNorm buffers after training, and after one more forward in
+    eval mode, without gradients, through the DDP wrapper (as ``common.metrics.evaluate(net, ...)`` runs it).
+    Also reports the error of wrapping an ``nn.SyncBatchNorm`` on CPU in DDP.
+    """
+    variants = {"forward_sync_buffers=True": (True, False), "forward_sync_buffers=False": (False, False),
+                "synchronized (common/batchnorm.py)": (True, True)}
+    results = {}
+    for name, (forward_sync_buffers, synchronized) in variants.items():
+        set_seed(0)
+        model = nn.Sequential(nn.BatchNorm2d(2))
+        if synchronized:
+            synchronize_batch_norms(model)
+        net = DDP(model, forward_sync_buffers=forward_sync_buffers)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(steps):
+            optimizer.zero_grad()
+            net(ddp_batch_norm_batch(env.rank, step)).square().mean().backward()
+            optimizer.step()
+        trained = {key: value.clone() for key, value in model[0].named_buffers()}
+        net.eval()
+        with torch.no_grad():
+            net(ddp_batch_norm_batch(env.rank, steps))  # eval mode: BatchNorm reads its buffers, changes nothing
+        results[name] = {"trained": trained, "evaluated_through_ddp": dict(model[0].named_buffers())}
+    try:
+        DDP(nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(2))))
+        results["sync_batchnorm_on_cpu"] = "no error"
+    except ValueError as error:
+        results["sync_batchnorm_on_cpu"] = f"ValueError: {error}"
+    return results

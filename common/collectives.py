@@ -8,6 +8,8 @@ every rank. They are for learning and measuring, not for training: NCCL and gloo
 - ``ring_all_reduce``: the ranks form a ring and the tensor is cut into N chunks. N-1 reduce-scatter steps
   leave each rank with the full sum of one chunk; N-1 all-gather steps pass the finished chunks round. Every
   rank sends 2(N-1)/N of the tensor, whatever N is: bandwidth-optimal.
+- ``hand_made_all_reduces``: both of them against ``dist.all_reduce`` on one tensor, run on every rank of a
+  group (``common.launch.run_on_ranks``), as lesson 01's notebook shows it.
 - ``all_reduce_gradients``: average a model's gradients with one collective over one flat bucket, instead of
   one collective per parameter.
 - ``AllreduceCounter``: a DDP communication hook that counts the allreduces DDP makes, and their bytes.
@@ -81,6 +83,16 @@ def exchange(send: torch.Tensor, destination: int, receive: torch.Tensor, source
         requests.append(dist.irecv(receive, source))
     for request in requests:
         request.wait()
+
+
+def hand_made_all_reduces(env, size: int = 10) -> dict:
+    """Run the naive and the ring all-reduce on a tensor of ``size`` (need not divide by the world size) and
+    report whether each equals ``dist.all_reduce``'s result."""
+    data = torch.arange(size, dtype=torch.float64) * (env.rank + 1)
+    expected = data.clone()
+    dist.all_reduce(expected)
+    return {"naive": torch.equal(naive_all_reduce(data.clone()), expected),
+            "ring": torch.equal(ring_all_reduce(data.clone()), expected), "sum": expected[:4].tolist()}
 
 
 def all_reduce_gradients(model: nn.Module, all_reduce=dist.all_reduce) -> None:

@@ -180,10 +180,10 @@ for n in (2, 4, 8, 16, 64):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from common.demos import hand_made_allreduces
+from common.collectives import hand_made_all_reduces
 from common.launch import run_on_ranks
 
-for rank, result in enumerate(run_on_ranks(hand_made_allreduces, 3)):
+for rank, result in enumerate(run_on_ranks(hand_made_all_reduces, 3)):
     print(f"rank {rank}: naive equal {result['naive']}, ring equal {result['ring']}, first sums {result['sum']}")
 
 # %% [markdown]

@@ -89,7 +89,7 @@ for epoch in range(3):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from common.demos import weights_before_and_after_ddp
+from common.ddp import weights_before_and_after_ddp
 from common.launch import run_on_ranks
 
 for rank, weights in enumerate(run_on_ranks(weights_before_and_after_ddp, 3, timeout=120)):
@@ -101,14 +101,14 @@ for rank, weights in enumerate(run_on_ranks(weights_before_and_after_ddp, 3, tim
 #
 # DDP all-reduces gradients bucket by bucket. Which parameters share a bucket changes after the first step. Six
 # `Linear(256, 256)` layers (257 KiB each) train for 2 steps on 2 ranks, and a communication hook records every
-# bucket as DDP hands it over for its allreduce (`common.demos.ddp_buckets`): with the defaults, with
+# bucket as DDP hands it over for its allreduce (`common.ddp.ddp_buckets`): with the defaults, with
 # `bucket_cap_mb=0.3`, and with `find_unused_parameters=True`. Buckets go in index order, bucket 0 first.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 from unittest import mock
 
-from common.demos import ddp_buckets
+from common.ddp import ddp_buckets
 
 configurations = {"default": {}, "bucket_cap_mb=0.3": {"bucket_cap_mb": 0.3},
                   "find_unused_parameters=True": {"find_unused_parameters": True}}
@@ -171,7 +171,7 @@ print(f"final test accuracy {metrics['final_test_accuracy']:.2%}, {metrics['samp
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from common.demos import batch_norm_across_ranks, batch_norm_batch
+from common.batchnorm import batch_norm_across_ranks, batch_norm_batch
 from common.distributed import set_seed
 from common.models import SimpleCNN
 
@@ -213,12 +213,12 @@ else:
 # The cells above ran BatchNorm without DDP. Through DDP, the running averages meet DDP's handling of buffers:
 # with its default `forward_sync_buffers=True`, every forward starts by broadcasting rank 0's buffers to every
 # rank. A lone `BatchNorm2d(2)` trains for 3 steps on 2 ranks, each on batches of its own, rank 1's brighter
-# (`common.demos.batch_norm_statistics_through_ddp`). Beside each rank's `running_mean`: the batches whose
-# statistics it holds, found by comparing its buffers with values computed by hand (`common.demos.running_statistics`).
+# (`common.batchnorm.batch_norm_statistics_through_ddp`). Beside each rank's `running_mean`: the batches whose
+# statistics it holds, found by comparing its buffers with values computed by hand (`common.batchnorm.running_statistics`).
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from common.demos import batch_norm_statistics_through_ddp, ddp_batch_norm_batch, running_statistics
+from common.batchnorm import batch_norm_statistics_through_ddp, ddp_batch_norm_batch, running_statistics
 
 STEPS = 3
 through_ddp = run_on_ranks(batch_norm_statistics_through_ddp, 2, STEPS, timeout=120)
@@ -262,7 +262,7 @@ print("nn.SyncBatchNorm in DDP on CPU:", through_ddp[0]["sync_batchnorm_on_cpu"]
 # %%
 import time
 
-from common.demos import train_on_uneven_inputs
+from common.ddp import train_on_uneven_inputs
 
 start = time.monotonic()
 try:

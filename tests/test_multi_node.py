@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
+from common.debugging import collective_mistakes
 from common.fault_tolerance import (CorruptCheckpoint, checkpoint_path, list_checkpoints, newest_valid_checkpoint,
                                     prune_checkpoints, read_verified, rng_state, set_rng_state, write_verified)
-from common.demos import collective_mistakes
 from common.launch import run_on_ranks
 from tests.conftest import PYTHON, REPO, TORCHRUN, run_command
 

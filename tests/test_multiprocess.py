@@ -182,7 +182,7 @@ def test_the_harness_reports_a_failing_rank_at_once():
 
 
 def test_ddp_construction_gives_every_rank_the_weights_of_rank_0():
-    from common.demos import weights_before_and_after_ddp
+    from common.ddp import weights_before_and_after_ddp
 
     ranks = run_on_ranks(weights_before_and_after_ddp, 3, timeout=90)
     assert ranks[0]["before"] != ranks[1]["before"] != ranks[2]["before"]
@@ -191,7 +191,7 @@ def test_ddp_construction_gives_every_rank_the_weights_of_rank_0():
 
 def whole_batch_reference():
     """One process, SimpleCNN's convolutional layers on the whole BatchNorm demo batch: output and buffers."""
-    from common.demos import batch_norm_batch
+    from common.batchnorm import batch_norm_batch
 
     set_seed(0)
     model = SimpleCNN()
@@ -201,7 +201,7 @@ def whole_batch_reference():
 @pytest.fixture(scope="module")
 def batch_norm_ranks():
     """One 2-rank run of the lesson's BatchNorm demo, shared by the tests that read it."""
-    from common.demos import batch_norm_across_ranks
+    from common.batchnorm import batch_norm_across_ranks
 
     return run_on_ranks(batch_norm_across_ranks, 2, timeout=120)
 
@@ -243,14 +243,14 @@ def features_gradients(X, model):
 
 def synchronized_gradients(env):
     from common.batchnorm import synchronize_batch_norms
-    from common.demos import batch_norm_batch
+    from common.batchnorm import batch_norm_batch
 
     set_seed(0)
     return features_gradients(batch_norm_batch().chunk(env.world_size)[env.rank], synchronize_batch_norms(SimpleCNN()))
 
 
 def test_synchronized_batch_norm_backpropagates_the_gradients_of_one_process_on_the_whole_batch():
-    from common.demos import batch_norm_batch
+    from common.batchnorm import batch_norm_batch
 
     set_seed(0)
     reference = features_gradients(batch_norm_batch(), SimpleCNN())
@@ -262,7 +262,7 @@ def test_synchronized_batch_norm_backpropagates_the_gradients_of_one_process_on_
 
 
 def sync_batch_norm_on_cpu(env):
-    from common.demos import batch_norm_batch
+    from common.batchnorm import batch_norm_batch
 
     model = nn.SyncBatchNorm.convert_sync_batchnorm(SimpleCNN())
     model.features(batch_norm_batch().chunk(env.world_size)[env.rank])
@@ -292,15 +292,15 @@ DDP_BATCH_NORM_STEPS = 3
 
 @pytest.fixture(scope="module")
 def batch_norm_through_ddp():
-    """One 2-rank run of ``common.demos.batch_norm_statistics_through_ddp``, shared by the tests that read it."""
-    from common.demos import batch_norm_statistics_through_ddp
+    """One 2-rank run of ``common.batchnorm.batch_norm_statistics_through_ddp``, shared by the tests that read it."""
+    from common.batchnorm import batch_norm_statistics_through_ddp
 
     return run_on_ranks(batch_norm_statistics_through_ddp, 2, DDP_BATCH_NORM_STEPS, timeout=120)
 
 
 def hand_computed(rank_of_each_step):
     """Running mean and variance, by hand, after one batch per step from the rank named for that step."""
-    from common.demos import ddp_batch_norm_batch, running_statistics
+    from common.batchnorm import ddp_batch_norm_batch, running_statistics
 
     return running_statistics([ddp_batch_norm_batch(rank, step) for step, rank in enumerate(rank_of_each_step)])
 
@@ -327,7 +327,7 @@ def test_without_forward_sync_buffers_each_rank_keeps_the_statistics_of_its_own_
 
 def test_synchronized_batch_norm_through_ddp_gives_every_rank_the_statistics_of_the_global_batches(
         batch_norm_through_ddp):
-    from common.demos import ddp_batch_norm_batch, running_statistics
+    from common.batchnorm import ddp_batch_norm_batch, running_statistics
 
     global_batches = [torch.cat([ddp_batch_norm_batch(rank, step) for rank in range(2)])
                       for step in range(DDP_BATCH_NORM_STEPS)]
@@ -357,8 +357,8 @@ MiB = 2 ** 20
 
 @pytest.fixture(scope="module")
 def buckets():
-    """Rank 0's buckets, step by step, from one 2-rank run of ``common.demos.ddp_buckets``."""
-    from common.demos import ddp_buckets
+    """Rank 0's buckets, step by step, from one 2-rank run of ``common.ddp.ddp_buckets``."""
+    from common.ddp import ddp_buckets
 
     return run_on_ranks(ddp_buckets, 2, BUCKET_CONFIGURATIONS, timeout=120)[0]
 
@@ -440,7 +440,7 @@ def test_collectives_pair_up_by_order_so_a_mismatch_of_the_same_size_goes_unnoti
 
 
 def test_without_join_uneven_inputs_pair_unrelated_collectives_and_fail():
-    from common.demos import train_on_uneven_inputs
+    from common.ddp import train_on_uneven_inputs
 
     # Rank 1 runs out of batches and calls replicas_in_sync, whose all-reduce gloo pairs with rank 0's gradient
     # all-reduce. The sizes differ: gloo aborts rank 0, and rank 1 loses its peer. An error within seconds, as
@@ -452,7 +452,7 @@ def test_without_join_uneven_inputs_pair_unrelated_collectives_and_fail():
 
 
 def test_join_lets_each_rank_run_its_own_number_of_steps_and_keeps_the_replicas_identical():
-    from common.demos import train_on_uneven_inputs, uneven_batches
+    from common.ddp import train_on_uneven_inputs, uneven_batches
 
     ranks = run_on_ranks(train_on_uneven_inputs, 2, True, timeout=120)
     assert [rank["steps"] for rank in ranks] == [4, 3]
