@@ -140,7 +140,7 @@ def main(args):
         best = {key: min(values) for key, values in rounds.items()}
         median = {key: statistics.median(values) for key, values in rounds.items()}
         print_point_to_point(args.sizes, sizes, best, median)
-        print_allreduce(args.sizes, sizes, world_size, best, median)
+        print_all_reduce(args.sizes, sizes, world_size, best, median)
     finally:
         teardown_distributed()
 
@@ -197,7 +197,7 @@ def print_point_to_point(labels, sizes, best, median):
         print0(f"local {label:>5}, GB/s of the tensor's size, best rounds: {rates}")
 
 
-def print_allreduce(labels, sizes, world_size, best, median):
+def print_all_reduce(labels, sizes, world_size, best, median):
     """Table 4: each allreduce measured, beside the time its message pattern predicts from tables 2 and 3."""
     print0(f"\n4. allreduce, {world_size} ranks: ms, best round (median), and predicted from the best rounds of 2, 3")
     print0(f"{'size':>6} {'naive':>19} {'predicted':>9} {'ring':>19} {'predicted':>9} {'dist.all_reduce':>19}")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.cli import positive_int
-from common.collectives import AllreduceCounter
+from common.collectives import AllReduceCounter
 from common.distributed import BACKENDS, print0, set_seed, setup_distributed, teardown_distributed
 from common.metrics import synchronize
 from common.models import MODELS
@@ -64,7 +64,7 @@ def main(args):
         y = torch.randint(0, 10, (args.batch_size,), generator=generator).to(env.device)
         set_seed(0)
         net = DDP(model_class().to(env.device), device_ids=[env.device] if env.device.type == "cuda" else None)
-        counter = AllreduceCounter.attach(net)
+        counter = AllReduceCounter.attach(net)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
         parameters = sum(p.numel() for p in net.parameters())
         print0(f"{args.model} ({parameters / 1e6:.2f} M parameters), {env.world_size} process(es), {env.backend} on "

@@ -12,7 +12,7 @@ every rank. They are for learning and measuring, not for training: NCCL and gloo
   group (``common.launch.run_on_ranks``), as lesson 01's notebook shows it.
 - ``all_reduce_gradients``: average a model's gradients with one collective over one flat bucket, instead of
   one collective per parameter.
-- ``AllreduceCounter``: a DDP communication hook that counts the allreduces DDP makes, and their bytes.
+- ``AllReduceCounter``: a DDP communication hook that counts the allreduces DDP makes, and their bytes.
 - ``count_messages``: counts the point-to-point messages (and bytes) one rank sends and receives in a block.
 """
 
@@ -112,10 +112,10 @@ def all_reduce_gradients(model: nn.Module, all_reduce=dist.all_reduce) -> None:
 
 
 @dataclass
-class AllreduceCounter:
+class AllReduceCounter:
     """How many allreduces DDP started, and how many bytes they carried, since ``attach`` or ``reset``.
 
-        counter = AllreduceCounter.attach(ddp_model)   # before the first forward
+        counter = AllReduceCounter.attach(ddp_model)   # before the first forward
         ...train...
         counter.calls, counter.bytes
 
@@ -127,16 +127,16 @@ class AllreduceCounter:
     bytes: int = 0
 
     @classmethod
-    def attach(cls, ddp_model) -> "AllreduceCounter":
+    def attach(cls, ddp_model) -> "AllReduceCounter":
         counter = cls()
-        ddp_model.register_comm_hook(counter, _counting_allreduce_hook)
+        ddp_model.register_comm_hook(counter, _counting_all_reduce_hook)
         return counter
 
     def reset(self) -> None:
         self.calls, self.bytes = 0, 0
 
 
-def _counting_allreduce_hook(counter: AllreduceCounter, bucket: dist.GradBucket):
+def _counting_all_reduce_hook(counter: AllReduceCounter, bucket: dist.GradBucket):
     counter.calls += 1
     counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
     return allreduce_hook(None, bucket)  # None: the default process group

@@ -4,6 +4,9 @@ A functional LeNet whose parameters are a plain list, copied to every device; ea
 on its slice of the batch; the gradients are summed across devices and every replica takes the same step.
 With no GPU, "devices" are CPU tensors standing in for GPUs: that shows the algorithm is correct, not that it
 is fast.
+
+The functions keep the names of d2l's chapter, which lesson 01 reproduces (``allreduce``, ``split_batch``,
+``train_batch``); what this course adds is spelled as PyTorch spells it, ``all_reduce``.
 """
 
 import torch
@@ -48,7 +51,7 @@ def allreduce(data):
         data[i][:] = data[0].to(data[i].device)
 
 
-def allreduce_by_assignment(data):
+def all_reduce_by_assignment(data):
     """The broken variant, kept to show why it breaks: the broadcast assigns to list slots instead of writing.
 
     Device 0 gets the full sum; every other replica keeps its own partial gradient, and the replicas drift.
@@ -73,7 +76,7 @@ def sgd(params, lr, batch_size):
             param.grad.zero_()
 
 
-def train_batch(X, y, device_params, devices, lr, allreduce=allreduce):
+def train_batch(X, y, device_params, devices, lr, all_reduce=allreduce):
     """One data-parallel step: forward and backward on every device's slice, sum the gradients, update."""
     X_shards, y_shards = split_batch(X, y, devices)
     losses = [F.cross_entropy(lenet(X_shard, params), y_shard, reduction="sum")
@@ -82,6 +85,6 @@ def train_batch(X, y, device_params, devices, lr, allreduce=allreduce):
         loss.backward()
     with torch.no_grad():
         for i in range(len(device_params[0])):  # one allreduce per parameter tensor
-            allreduce([params[i].grad for params in device_params])
+            all_reduce([params[i].grad for params in device_params])
     for params in device_params:  # every replica applies the same summed gradient
         sgd(params, lr, X.shape[0])

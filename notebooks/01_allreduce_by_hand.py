@@ -84,10 +84,10 @@ print("after: ", [tensor.tolist() for tensor in data])
 # NBVAL_CHECK_OUTPUT
 generator = torch.Generator().manual_seed(0)
 X, y = torch.randn(16, 1, 28, 28, generator=generator), torch.randint(0, 10, (16,), generator=generator)
-for variant in (scratch.allreduce, scratch.allreduce_by_assignment):
+for variant in (scratch.allreduce, scratch.all_reduce_by_assignment):
     params = scratch.init_lenet_params(generator=torch.Generator().manual_seed(0))
     device_params = [scratch.get_params(params, device) for device in devices]
-    scratch.train_batch(X, y, device_params, devices, lr=0.1, allreduce=variant)
+    scratch.train_batch(X, y, device_params, devices, lr=0.1, all_reduce=variant)
     identical = all(torch.equal(a, b.to(a.device)) for a, b in zip(device_params[0], device_params[-1]))
     print(f"{variant.__name__:>24}: replicas identical after one step: {identical}")
 
@@ -110,7 +110,7 @@ def accuracy(params):
     return (logits.argmax(1).cpu() == y_test).float().mean().item()
 
 
-def fit(devices, num_epochs, batch_size, lr, allreduce=scratch.allreduce):
+def fit(devices, num_epochs, batch_size, lr, all_reduce=scratch.allreduce):
     """Train from the same initial parameters and batch order every time. Returns every replica's parameters,
     replica 0's test accuracy after each epoch, and the seconds per epoch."""
     params = scratch.init_lenet_params(generator=torch.Generator().manual_seed(0))
@@ -120,7 +120,7 @@ def fit(devices, num_epochs, batch_size, lr, allreduce=scratch.allreduce):
         timer.start()
         order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
         for batch in order.split(batch_size):
-            scratch.train_batch(X_train[batch], y_train[batch], device_params, devices, lr, allreduce=allreduce)
+            scratch.train_batch(X_train[batch], y_train[batch], device_params, devices, lr, all_reduce=all_reduce)
         timer.stop()
         accuracies.append(accuracy(device_params[0]))
     return device_params, accuracies, timer.avg()
@@ -152,11 +152,11 @@ for lr in (0.1, LR, 1.0):
 # %% [markdown]
 # ### The in-place pitfall, over a whole run
 #
-# The same training with `allreduce_by_assignment`: replica 0 receives the full sum at every step, the others
+# The same training with `all_reduce_by_assignment`: replica 0 receives the full sum at every step, the others
 # keep their partial gradients. How far apart do the replicas end, and what does each score?
 
 # %%
-device_params, _, _ = fit(devices, NUM_EPOCHS, BATCH_SIZE, LR, allreduce=scratch.allreduce_by_assignment)
+device_params, _, _ = fit(devices, NUM_EPOCHS, BATCH_SIZE, LR, all_reduce=scratch.all_reduce_by_assignment)
 gap = max((a - b.to(a.device)).abs().max().item() for a, b in zip(device_params[0], device_params[-1]))
 print(f"by assignment, {len(devices)} replicas, lr {LR}: test accuracy of replica 0 {accuracy(device_params[0]):.1%}, "
       f"of replica {len(devices) - 1} {accuracy(device_params[-1]):.1%}; largest parameter gap {gap:.3g}")

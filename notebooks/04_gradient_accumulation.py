@@ -110,7 +110,7 @@ for name, rule in rules.items():
 # ## What no_sync saves
 #
 # `benchmarks/grad_accumulation.py` counts DDP's allreduces with a communication hook
-# (`common.collectives.AllreduceCounter`) and times an effective step of 4 micro-steps, with and without `no_sync`:
+# (`common.collectives.AllReduceCounter`) and times an effective step of 4 micro-steps, with and without `no_sync`:
 
 # %%
 print(launch("benchmarks/grad_accumulation.py", "--steps", 2 if QUICK else 5, "--rounds", 1 if QUICK else 5))

@@ -16,7 +16,7 @@ def test_the_scaling_benchmark_prints_a_row_per_process_count():
     assert row.split()[:3] == ["1", "gloo", "cpu"] and row.split()[4] == "1.00x"
 
 
-def test_the_accumulation_benchmark_counts_one_allreduce_round_per_effective_step_under_no_sync():
+def test_the_accumulation_benchmark_counts_one_all_reduce_round_per_effective_step_under_no_sync():
     run = run_command([TORCHRUN, "--standalone", "--nproc_per_node=2", REPO / "benchmarks/grad_accumulation.py",
                        "--model", "lenet", "--batch-size", "2", "--accum-steps", "4", "--steps", "2", "--rounds", "1"],
                       timeout=120)

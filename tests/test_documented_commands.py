@@ -80,7 +80,7 @@ NOT_RUN = {
     "kubectl apply -f launch/pytorchjob_multi_node.yaml":
         "a Kubernetes cluster with the Kubeflow training operator; tests/test_multi_node.py checks the YAML",
     "torchrun --standalone --nproc_per_node=2 benchmarks/grad_accumulation.py --steps 5 --rounds 5":
-        f"{MEASURES}; tests/test_benchmarks.py::test_the_accumulation_benchmark_counts_one_allreduce_round_per_"
+        f"{MEASURES}; tests/test_benchmarks.py::test_the_accumulation_benchmark_counts_one_all_reduce_round_per_"
         "effective_step_under_no_sync runs it on small settings",
     "python benchmarks/mixed_precision.py": f"{MEASURES}: 4 minutes or more on 2 cores; {SMALL_PRECISION}",
     "python benchmarks/mixed_precision.py --model lenet --steps 20": f"{MEASURES}; {SMALL_PRECISION}",

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from common.models import LeNet
-from common.scratch import (allreduce, allreduce_by_assignment, get_params, init_lenet_params, lenet, sgd,
+from common.scratch import (all_reduce_by_assignment, allreduce, get_params, init_lenet_params, lenet, sgd,
                             split_batch, train_batch)
 
 CPU = torch.device("cpu")
@@ -40,12 +40,12 @@ def test_replicas_on_one_device_are_copies_not_aliases():
     assert all(b.data_ptr() == p.data_ptr() for b, p in zip([q.detach().to(CPU) for q in params], params))  # why
 
 
-def one_step(devices, allreduce_fn, seed=0):
+def one_step(devices, all_reduce_fn, seed=0):
     params = init_lenet_params(generator=torch.Generator().manual_seed(seed))
     device_params = [get_params(params, device) for device in devices]
     generator = torch.Generator().manual_seed(1)
     X, y = torch.randn(12, 1, 28, 28, generator=generator), torch.randint(0, 10, (12,), generator=generator)
-    train_batch(X, y, device_params, devices, lr=0.1, allreduce=allreduce_fn)
+    train_batch(X, y, device_params, devices, lr=0.1, all_reduce=all_reduce_fn)
     return device_params, params, X, y
 
 
@@ -58,9 +58,9 @@ def test_a_step_on_simulated_devices_equals_one_step_on_the_whole_batch():
         torch.testing.assert_close(replica, reference)
 
 
-def test_the_assignment_allreduce_breaks_the_replicas_and_the_in_place_one_does_not():
+def test_the_assignment_all_reduce_breaks_the_replicas_and_the_in_place_one_does_not():
     in_place, *_ = one_step([CPU, CPU], allreduce)
-    by_assignment, *_ = one_step([CPU, CPU], allreduce_by_assignment)
+    by_assignment, *_ = one_step([CPU, CPU], all_reduce_by_assignment)
     assert all(torch.equal(a, b) for a, b in zip(in_place[0], in_place[1]))
     assert not all(torch.equal(a, b) for a, b in zip(by_assignment[0], by_assignment[1]))
     # Device 0 still got the full sum: the damage is to every other replica, silently.
