@@ -5,13 +5,20 @@ VENV := .venv
 BIN := $(VENV)/bin
 READY := $(VENV)/.installed
 
-.PHONY: demo test
+.PHONY: demo test gpu-check
 
 demo: $(READY)
 	$(BIN)/torchrun --standalone --nproc_per_node=2 solutions/01_ddp_basic.py --dataset digits
 
 test: $(READY)
 	$(BIN)/python -m pytest
+
+# On a GPU machine: runs every solution with NCCL and the GPU benchmarks, writes $(RESULTS)/<gpu-model>/. It uses
+# the machine's own PyTorch (no .venv, no network); without a GPU it says so and fails. See scripts/gpu_check.py.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+RESULTS ?= results
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py --results $(RESULTS)
 
 $(READY): requirements.txt pyproject.toml
 	@echo "Setting up $(VENV): PyTorch and friends, a few minutes the first time only"

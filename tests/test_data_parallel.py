@@ -97,6 +97,7 @@ def test_without_gpus_dataparallel_calls_the_module_once_on_the_whole_batch():
     assert net.device_ids == [] and sizes == [6]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel needs 2 or more GPUs to split a batch")
 def test_dataparallel_on_two_gpus_matches_the_by_hand_version_and_the_whole_batch():
     torch.manual_seed(0)

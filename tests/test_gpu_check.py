@@ -1,0 +1,267 @@
+"""`make gpu-check` on a machine without a GPU: what it plans, what it writes, and the GPU figures the lessons quote.
+
+The check itself needs an NVIDIA GPU; here its logic is tested: the plan (every command parses with its script's
+own argument parser), the one-line refusal without a GPU, the time limit, the result files, and the benchmarks it
+runs, on CPU with gloo. The last tests hold the lessons to the recorded GPU runs under results/.
+"""
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.launch import load_script
+
+REPO = Path(__file__).resolve().parents[1]
+gpu_check = load_script(REPO / "scripts" / "gpu_check.py")
+
+
+def script_and_arguments(command: list[str]) -> tuple[Path, list[str]] | None:
+    """The .py file a planned command runs and the arguments it gets, or None for a module (``-m pytest``)."""
+    for index, word in enumerate(command):
+        if word.endswith(".py"):
+            return REPO / word, command[index + 1:]
+    return None
+
+
+def test_the_plan_runs_every_solution_and_each_command_parses_with_its_own_scripts_argument_parser(tmp_path):
+    steps = gpu_check.plan(num_gpus=2, cpu_cores=16, out_dir=tmp_path, scratch=tmp_path)
+    planned = {script_and_arguments(step.command)[0].name for step in steps if script_and_arguments(step.command)}
+    solutions = {path.name for path in (REPO / "solutions").glob("*.py")}
+    assert solutions <= planned, f"solutions the GPU check does not run: {sorted(solutions - planned)}"
+    for step in steps:
+        found = script_and_arguments(step.command)
+        if found is None:
+            continue
+        script, arguments = found
+        try:
+            load_script(script).parse_args(arguments)  # the check runs rarely: a renamed flag must fail here
+        except SystemExit as error:
+            pytest.fail(f"{step.name}: {script.name} rejects {arguments}: exit {error.code}")
+    # world sizes the GPUs allow, and CPU process counts the cores allow
+    assert [step.command[2] for step in steps if "fsdp_memory" in step.name.lower() or "memory" in step.name] == [
+        "--nproc_per_node=1", "--nproc_per_node=2"]
+    scaling = next(step for step in steps if "ddp_scaling.py" in " ".join(step.command))
+    assert scaling.command[scaling.command.index("--nproc") + 1:][:4] == ["1", "2", "4", "8"]
+    assert gpu_check.plan(1, 2, tmp_path, tmp_path)[-1].command[3:6] == ["1", "2", "--cpu"]
+
+
+def test_the_dry_run_lists_the_steps_and_runs_nothing(tmp_path):
+    run = subprocess.run([sys.executable, REPO / "scripts/gpu_check.py", "--dry-run", "--gpus", "4",
+                          "--results", tmp_path], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == len(gpu_check.plan(4, 1, tmp_path, tmp_path))
+    assert "torchrun --standalone --nproc_per_node=4 solutions/01_ddp_basic.py" in lines[0]
+    assert any("pytest -q -m cuda" in line for line in lines)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_without_a_gpu_make_gpu_check_says_so_in_one_line_and_fails(tmp_path):
+    run = subprocess.run(["make", "-s", "gpu-check", f"RESULTS={tmp_path}", f"GPU_PYTHON={sys.executable}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    message = [line for line in run.stderr.splitlines() if not line.startswith("make")]
+    assert len(message) == 1 and message[0].startswith("gpu-check: no CUDA GPU visible"), run.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_step_past_its_time_limit_is_ended_with_the_processes_it_started(tmp_path):
+    child_pid = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(child_pid)!r}, 'w').write(str(child.pid)); time.sleep(120)")
+    step = gpu_check.Step("sleeper", "tests", ["python", "-c", code], timeout=120)
+    start = time.perf_counter()
+    result = gpu_check.run_step(step, timeout=5, env={}, scratch=tmp_path)
+    assert result["status"] == "timeout" and result["error"] == "no result within 5 s"
+    assert time.perf_counter() - start < 60
+    pid = int(child_pid.read_text())
+    deadline = time.time() + 10
+    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+        assert time.time() < deadline, "the grandchild outlived the step"
+        time.sleep(0.2)
+
+
+def test_the_first_error_line_is_the_exception_a_worker_raised():
+    output = ("[rank0]: Traceback (most recent call last):\nW1122 torchrun noise\n"
+              "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled cuda error\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \nsolutions/x.py FAILED\n")
+    assert gpu_check.first_error_line(output).startswith("torch.distributed.DistBackendError: NCCL error")
+    assert gpu_check.first_error_line("usage: x\nerror: unrecognized arguments: --max-steps\n") == \
+        "error: unrecognized arguments: --max-steps"
+    assert gpu_check.first_error_line("just\nlast line\n") == "last line"
+
+
+def test_the_result_files_hold_the_versions_every_step_and_each_benchmarks_printed_table(tmp_path):
+    facts = {"date": "2026-11-22 12:00 UTC", "gpus": ["NVIDIA H100 80GB HBM3"] * 2, "torch": "2.11.0+cu130",
+             "cuda": "13.0", "cudnn": 91300, "nccl": "2.28.9", "driver": "580.159.04", "python": "3.12.3",
+             "cpu_cores": 16}
+    table = "precision  samples/s\n     fp32     70,248"
+    steps = [
+        {"name": "01_ddp_basic", "part": "solutions", "command": "torchrun a.py", "status": "pass", "seconds": 9.5,
+         "output": "epoch 1\n"},
+        {"name": "03_fsdp", "part": "solutions", "command": "torchrun b.py", "status": "FAIL", "seconds": 3.0,
+         "output": "Traceback\nValueError: a | b\n", "error": "ValueError: a | b"},
+        {"name": "mixed precision", "part": "benchmarks", "command": "python m.py", "status": "pass", "seconds": 60,
+         "output": "W1122 12:00:00 torchrun banner\n" + table + "\n", "data": {"rows": [{"precision": "fp32"}]}},
+        {"name": "profile", "part": "benchmarks", "command": "torchrun p.py", "status": "timeout", "seconds": 180,
+         "output": "partial\n", "error": "no result within 180 s"},
+    ]
+    report = {"facts": facts, "missing_packages": [], "steps": steps, "seconds": 252.5}
+    folder = tmp_path / gpu_check.folder_name(facts["gpus"])
+    paths = gpu_check.write_results(folder, report)
+    assert folder.name == "nvidia-h100-80gb-hbm3-x2" and {p.name for p in paths} == {
+        "gpu_check.json", "summary.md", "logs.txt"}
+    data = json.loads((folder / "gpu_check.json").read_text())
+    assert data["facts"] == facts and [step["status"] for step in data["steps"]] == ["pass", "FAIL", "pass", "timeout"]
+    assert "output" not in data["steps"][0] and data["steps"][2]["data"] == {"rows": [{"precision": "fp32"}]}
+    summary = (folder / "summary.md").read_text()
+    assert "- GPU: NVIDIA H100 80GB HBM3 x 2" in summary
+    assert "PyTorch 2.11.0+cu130, CUDA 13.0, cuDNN 91300, NCCL 2.28.9, driver 580.159.04" in summary
+    assert "| solutions | 03_fsdp | FAIL | 3.0 | ValueError: a / b |" in summary  # a | would split the table row
+    assert f"```\n{table}\n```" in summary and "banner" not in summary  # the table, without torchrun's noise
+    assert "## profile" not in summary  # no output of a step that did not finish
+    logs = (folder / "logs.txt").read_text()
+    assert all(step["output"] in logs for step in steps)
+    assert gpu_check.folder_name(["NVIDIA H100 80GB HBM3"]) == "nvidia-h100-80gb-hbm3"
+
+
+def test_the_tests_marked_cuda_are_those_that_need_a_gpu():
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",
+                          "no:cacheprovider", "-o", "addopts=", "tests"], cwd=REPO, capture_output=True, text=True,
+                         timeout=240)
+    collected = [line for line in run.stdout.splitlines() if "::" in line]
+    expected = ["test_autocast_computes_losses_in_fp32_but_softmax_and_sums_in_fp32_on_cuda_only",
+                "test_rng_states_survive_a_weights_only_checkpoint[cuda]",
+                "test_sync_batch_norm_on_a_gpu_equals_one_process_on_the_whole_batch",
+                "test_dataparallel_on_two_gpus_matches_the_by_hand_version_and_the_whole_batch"]
+    for name in expected:
+        assert any(name in line for line in collected), f"{name} is not marked cuda:\n{run.stdout}"
+    assert not any("[cpu" in line for line in collected)  # the CPU variants stay in the CPU suite only
+
+
+# --- the benchmarks the check runs, on CPU with gloo ---------------------------------------------------------------
+def torchrun(script: str, *arguments, nproc: int = 2) -> subprocess.CompletedProcess:
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                          REPO / script, *map(str, arguments)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run
+
+
+def test_fsdp_memory_shows_zero1_sharding_the_optimizer_and_fsdp_the_parameters_on_2_ranks(tmp_path):
+    torchrun("benchmarks/fsdp_memory.py", "--width", 64, "--depth", 2, "--json", tmp_path / "memory.json")
+    data = json.loads((tmp_path / "memory.json").read_text())
+    rows = {row["strategy"]: row for row in data["rows"]}
+    assert data["world_size"] == 2 and set(rows) == set(load_script(REPO / "benchmarks/fsdp_memory.py").STRATEGIES)
+    ddp, zero1, full = rows["ddp"], rows["zero1"], rows["fsdp-full"]
+    # ZeroRedundancyOptimizer partitions whole tensors: rank 0 holds some of Adam's states, never all of them
+    assert zero1["parameters_mib"] == ddp["parameters_mib"] and zero1["optimizer_mib"] < 0.9 * ddp["optimizer_mib"]
+    assert full["parameters_mib"] == pytest.approx(ddp["parameters_mib"] / 2, rel=0.02)
+    assert ddp["all_gathers"] == 0 and full["all_gathers"] > 0 and ddp["cuda_peak_mib"] is None
+    assert ddp["total_mib"] == pytest.approx(ddp["zero_predicted_mib"], rel=0.01)
+
+
+def test_the_profile_of_a_ddp_step_writes_a_trace_and_lists_the_costliest_ops(tmp_path):
+    run = torchrun("benchmarks/profile_ddp_step.py", "--model", "lenet", "--batch-size", 8, "--warmup", 1,
+                   "--steps", 2, "--trace", tmp_path / "trace.json.gz", "--json", tmp_path / "profile.json")
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert data["clock"] == "cpu" and data["communication_share"] is None and data["ms_per_step"] > 0
+    assert any(op["op"] == "aten::convolution_backward" for op in data["top_ops"])
+    times = [op["ms_per_step"] for op in data["top_ops"]]
+    assert times == sorted(times, reverse=True) and "aten::convolution_backward" in run.stdout
+    with gzip.open(tmp_path / "trace.json.gz", "rt") as trace:
+        names = {event.get("name", "") for event in json.load(trace)["traceEvents"]}
+    assert any(name.startswith("ProfilerStep") for name in names) and "aten::convolution_backward" in names
+
+
+def test_the_mixed_precision_benchmark_refuses_tf32_without_a_gpu_that_has_it():
+    run = subprocess.run([sys.executable, REPO / "benchmarks/mixed_precision.py", "--precisions", "fp32", "tf32"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "tf32 needs an NVIDIA GPU of compute capability 8.0" in run.stderr
+
+
+# --- the lessons' GPU figures --------------------------------------------------------------------------------------
+NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*")
+
+
+def gpu_runs() -> dict[str, list[Path]]:
+    """``{"H100": [folder, ...]}``: the recorded GPU runs under results/, by the GPU's model number."""
+    runs = {}
+    for summary in sorted((REPO / "results").glob("*/summary.md")):
+        gpu = re.search(r"^- GPU: (.+?) x \d+", summary.read_text(), re.MULTILINE)
+        if gpu:
+            model = re.search(r"\b[A-Z]{1,2}\d{2,4}\b", gpu.group(1)).group(0)
+            runs.setdefault(model, []).append(summary.parent)
+    return runs
+
+
+def markdown_blocks(text: str) -> list[tuple[str, bool]]:
+    """``(block, is_code)``: fenced code blocks whole; prose split into paragraphs, list items and table rows."""
+    blocks, lines, in_code = [], [], False
+
+    def close(is_code=False):
+        if lines:
+            blocks.append(("\n".join(lines), is_code))
+            lines.clear()
+
+    for line in text.splitlines():
+        if line.startswith("```"):
+            close(is_code=in_code)
+            in_code = not in_code
+        elif in_code:
+            lines.append(line)
+        elif not line.strip() or line.lstrip().startswith(("- ", "* ", "|")) or re.match(r"\s*\d+\. ", line):
+            close()
+            if line.strip():
+                lines.append(line)
+        else:
+            lines.append(line)
+    close()
+    return blocks
+
+
+def unrecorded_gpu_figures(text: str, runs: dict[str, list[Path]]) -> list[str]:
+    """Every number in a block that names a recorded GPU but appears in none of that GPU's result files, and every
+    line of a code block naming the GPU that no result file holds verbatim: ``["<block start>: <figure>", ...]``.
+
+    A block is a paragraph, a list item, a table row or a fenced code block; numbers inside inline code (a flag's
+    value, a function's return value) are left out of prose. A block that quotes a GPU run names the GPU."""
+    problems = []
+    for block, is_code in markdown_blocks(text):
+        for model, folders in runs.items():
+            if not re.search(rf"\b{model}\b", block):
+                continue
+            recorded = "\n".join(path.read_text() for folder in folders for path in sorted(folder.iterdir())
+                                 if path.suffix in (".md", ".txt", ".log", ".json"))
+            recorded_numbers = set(NUMBER.findall(recorded))
+            where = block.strip().splitlines()[0][:60]
+            prose = block if is_code else re.sub(r"`[^`]*`", "", block)  # inline code: names and values, not figures
+            problems += [f"{where}: {number}" for number in NUMBER.findall(prose) if number not in recorded_numbers]
+            if is_code:
+                problems += [f"{where}: line {line.strip()!r}" for line in block.splitlines()
+                             if line.strip() and line.strip() not in recorded]
+    return problems
+
+
+def test_the_figure_checker_finds_a_number_no_gpu_run_recorded():
+    runs = gpu_runs()
+    assert "H100" in runs
+    assert unrecorded_gpu_figures("On one H100, fp32 ran at 70,248 samples/s.", runs) == []
+    assert unrecorded_gpu_figures("On one H100, fp32 ran at 71,000 samples/s.", runs) == [
+        "On one H100, fp32 ran at 71,000 samples/s.: 71,000"]
+    assert unrecorded_gpu_figures("```\nH100 made up line\n```", runs) == ["H100 made up line: line 'H100 made up line'"]
+    assert unrecorded_gpu_figures("On a CPU: 71,000 samples/s.", runs) == []  # names no GPU: not a GPU figure
+
+
+@pytest.mark.parametrize("document", ["README.md", *sorted(p.relative_to(REPO).as_posix()
+                                                            for p in (REPO / "lessons").glob("*.md"))])
+def test_every_figure_a_document_quotes_from_a_gpu_run_is_in_that_runs_recorded_files(document):
+    assert unrecorded_gpu_figures((REPO / document).read_text(), gpu_runs()) == []
