@@ -134,6 +134,31 @@ def test_the_result_files_hold_the_versions_every_step_and_each_benchmarks_print
     assert gpu_check.folder_name(["NVIDIA H100 80GB HBM3"]) == "nvidia-h100-80gb-hbm3"
 
 
+def test_the_check_records_each_step_as_it_ends_and_skips_what_the_budget_leaves_no_time_for(tmp_path, monkeypatch):
+    facts = {"date": "today", "gpus": ["Fake GPU X100"], "torch": torch.__version__, "cuda": None, "cudnn": None,
+             "nccl": None, "driver": None, "python": "3", "cpu_cores": 2}
+    writes = (f"import json, sys, time; time.sleep(5); json.dump({{'rows': [1]}}, open(sys.argv[1], 'w')); "
+              "print('the table')")
+
+    def fake_plan(num_gpus, cpu_cores, out_dir, scratch):
+        assert (num_gpus, cpu_cores, out_dir) == (1, 2, tmp_path / "fake-gpu-x100")
+        return [gpu_check.Step("measures", "benchmarks", ["python", "-c", writes, str(scratch / "figures.json")], 60,
+                               json_file="figures.json"),
+                gpu_check.Step("fails", "solutions", ["python", "-c", "import time; time.sleep(5); raise ValueError('no')"], 60),
+                gpu_check.Step("too late", "tests", ["python", "-c", "print('never')"], 60)]
+
+    monkeypatch.setattr(gpu_check, "plan", fake_plan)
+    monkeypatch.setattr(gpu_check, "machine_facts", lambda: facts)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # 29 s: after the first step (5 s and start-up) 20 s or more are left, after the second less: the third is skipped
+    code = gpu_check.main(gpu_check.parse_args(["--results", str(tmp_path), "--budget", "29"]))
+    data = json.loads((tmp_path / "fake-gpu-x100" / "gpu_check.json").read_text())
+    assert code == 1 and [(step["name"], step["status"]) for step in data["steps"]] == [
+        ("measures", "pass"), ("fails", "FAIL"), ("too late", "skipped")]
+    assert data["steps"][0]["data"] == {"rows": [1]} and data["steps"][1]["error"] == "ValueError: no"
+    assert "the table" in (tmp_path / "fake-gpu-x100" / "summary.md").read_text()
+
+
 def test_the_tests_marked_cuda_are_those_that_need_a_gpu():
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",
                           "no:cacheprovider", "-o", "addopts=", "tests"], cwd=REPO, capture_output=True, text=True,
