@@ -160,9 +160,10 @@ def test_the_check_records_each_step_as_it_ends_and_skips_what_the_budget_leaves
 
 
 def test_the_tests_marked_cuda_are_those_that_need_a_gpu():
-    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p",
-                          "no:cacheprovider", "-o", "addopts=", "tests"], cwd=REPO, capture_output=True, text=True,
-                         timeout=240)
+    command = next(step.command for step in gpu_check.plan(1, 1, REPO, REPO) if step.part == "tests")
+    run = subprocess.run([sys.executable, *command[1:], "--collect-only"], cwd=REPO, capture_output=True, text=True,
+                         timeout=240)  # the check's own pytest command, collecting only
+    assert run.returncode == 0, run.stdout[-3000:]  # a collection error would fail the check's test step
     collected = [line for line in run.stdout.splitlines() if "::" in line]
     expected = ["test_autocast_computes_losses_in_fp32_but_softmax_and_sums_in_fp32_on_cuda_only",
                 "test_rng_states_survive_a_weights_only_checkpoint[cuda]",
