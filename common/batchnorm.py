@@ -9,8 +9,9 @@ all ranks first, so every rank normalises with those of the whole global batch, 
 averages, exactly as one process holding the whole batch would.
 
 In PyTorch 2.14 ``nn.SyncBatchNorm`` runs on GPUs only: in training mode, with CPU tensors, whenever a process
-group is initialised (a world of one included) its forward raises ``ValueError``. The functions here do the same arithmetic on any device and backend, gloo
-included, so the course can show it on CPUs. For training on GPUs, use the real layer:
+group is initialised (a world of one included) its forward raises ``ValueError``. The functions here do the
+same arithmetic on any device and backend, gloo included, so the course can show it on CPUs. For training on
+GPUs, use the real layer:
 ``model = nn.SyncBatchNorm.convert_sync_batchnorm(model)`` before wrapping the model in DDP.
 
 The last functions of this module are lesson 03's demonstrations, run on every rank with

@@ -278,7 +278,7 @@ else:
 # (float64) with rank 0's all-reduce of its gradients (float32), found sizes that differ, and aborted rank 0: the
 # `terminate called ... collective mismatch` lines come from rank 0. Rank 1 then lost its peer: the
 # `RuntimeError`. Had the two all-reduces had the same size, nothing would have failed and both ranks would have
-# carried on with wrong numbers (`tests/test_multiprocess.py` shows it).
+# carried on with wrong numbers (`tests/test_join.py` shows it).
 #
 # With `with Join([model]):` around the loop, rank 1 answers rank 0's last gradient all-reduce with zeros, and
 # both ranks leave with the same parameters:

@@ -1,4 +1,6 @@
-"""Unit tests of common.distributed in this one process (multi-process behaviour: test_multiprocess.py)."""
+"""``common.distributed``: in this one process, then across real gloo process groups of 3 CPU processes
+(``common.launch.run_on_ranks``; the functions that run on the ranks live at module level, where spawned
+processes can import them)."""
 
 import random
 
@@ -10,6 +12,7 @@ import torch.distributed as dist
 from common import distributed
 from common.distributed import (ConfigurationError, all_reduce_mean, all_reduce_sum, choose_backend, global_mean,
                                 main_process_first, print0, set_seed, setup_distributed, teardown_distributed)
+from common.launch import run_on_ranks
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -120,3 +123,34 @@ def test_main_process_first_runs_the_body_without_a_group():
     with main_process_first():
         ran.append(True)
     assert ran == [True]
+
+
+def reduce_rank_values(env):
+    values = [float(10 * env.rank + i) for i in range(env.rank + 1)]  # rank r holds r+1 values
+    return {"mean": all_reduce_mean(float(env.rank)).item(), "sum": all_reduce_sum([1.0, env.rank]).tolist(),
+            "global_mean": global_mean(sum(values), len(values))}
+
+
+def test_reductions_equal_the_mean_over_ranks_and_over_samples():
+    every_value = [10.0 * rank + i for rank in range(3) for i in range(rank + 1)]
+    for rank in run_on_ranks(reduce_rank_values, 3, timeout=90):
+        assert rank["mean"] == pytest.approx(1.0)  # (0 + 1 + 2) / 3
+        assert rank["sum"] == [3.0, 3.0]
+        assert rank["global_mean"] == pytest.approx(sum(every_value) / len(every_value))
+
+
+def write_once(env, folder):
+    """Each rank, inside main_process_first, records whether rank 0's file already existed."""
+    from pathlib import Path
+    marker = Path(folder) / "downloaded"
+    with main_process_first():
+        found = marker.exists()
+        if env.rank == 0:
+            import time
+            time.sleep(0.5)  # a slow "download": the others must still wait for it
+            marker.write_text("data")
+    return found
+
+
+def test_main_process_first_lets_rank_0_finish_before_the_others_start(tmp_path):
+    assert run_on_ranks(write_once, 3, str(tmp_path), timeout=90) == [False, True, True]
