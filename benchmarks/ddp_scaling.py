@@ -15,20 +15,18 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+from common.launch import REPO, torchrun_command
 
 
 def measure(nproc: int, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         metrics_file = Path(tmp) / "metrics.json"
-        command = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(REPO / "solutions/01_ddp_basic.py"),
-                   "--dataset", args.dataset, "--model", args.model, "--epochs", str(args.epochs),
-                   "--batch-size", str(args.batch_size), "--metrics-file", str(metrics_file)]
+        command = torchrun_command(REPO / "solutions/01_ddp_basic.py", "--dataset", args.dataset, "--model", args.model,
+                                   "--epochs", args.epochs, "--batch-size", args.batch_size,
+                                   "--metrics-file", metrics_file, nproc=nproc)
         env = dict(os.environ)
         if args.cpu:
             env["CUDA_VISIBLE_DEVICES"] = ""

@@ -16,13 +16,11 @@ It prints each run's test accuracy after every epoch and writes them to --result
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+from common.launch import launch
+
 DIGITS_TRAIN_SIZE = 1438
 
 
@@ -43,12 +41,9 @@ def parse_args(argv=None):
 def run(name, accum_steps, lr, warmup_steps, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         metrics_file = Path(tmp) / "metrics.json"
-        command = [TORCHRUN, "--standalone", f"--nproc_per_node={args.nproc}",
-                   str(REPO / "solutions/02_gradient_accumulation.py"), "--dataset", "digits",
-                   "--batch-size", str(args.batch_size), "--grad-accum-steps", str(accum_steps), "--lr", str(lr),
-                   "--warmup-steps", str(warmup_steps), "--epochs", str(args.epochs), "--seed", str(args.seed),
-                   "--metrics-file", str(metrics_file)]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        launch("solutions/02_gradient_accumulation.py", "--dataset", "digits", "--batch-size", args.batch_size,
+               "--grad-accum-steps", accum_steps, "--lr", lr, "--warmup-steps", warmup_steps, "--epochs", args.epochs,
+               "--seed", args.seed, "--metrics-file", metrics_file, nproc=args.nproc)
         metrics = json.loads(metrics_file.read_text())
     history = metrics["history"]
     return {"name": name, "effective_batch": metrics["effective_batch_size"], "lr": lr, "warmup_steps": warmup_steps,

@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common.launch import REPO
+
 SOLUTION = REPO / "solutions" / "05_multi_node.py"
 VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 LINKED = ("solutions", "scripts", "common")

@@ -18,13 +18,10 @@ the median wall time of a run per condition.
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+from common.launch import launch
+
 PAUSE_VARIABLE = "TEARDOWN_PAUSE_BENCHMARK"  # "1": teardown_distributed; "0": destroy_process_group alone
 CONDITIONS = {"with pause": "1", "without": "0"}
 
@@ -57,11 +54,9 @@ def worker(steps: int) -> None:
 
 def one_run(pause: str, args) -> tuple[str, float]:
     """Launch the job once; return its outcome ("clean", "abort" or "other failure") and its wall time."""
-    command = [TORCHRUN, "--standalone", f"--nproc_per_node={args.nproc}", __file__, "--worker",
-               "--steps", str(args.steps)]
     start = time.monotonic()
-    run = subprocess.run(command, cwd=REPO, env={**os.environ, PAUSE_VARIABLE: pause, "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=300)
+    run = launch(__file__, "--worker", "--steps", args.steps, nproc=args.nproc, check=False, timeout=300,
+                 env_extra={PAUSE_VARIABLE: pause, "OMP_NUM_THREADS": "1"})
     return outcome(run.returncode, run.stderr), time.monotonic() - start
 
 

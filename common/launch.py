@@ -1,26 +1,56 @@
-"""Run a function on N local processes that form a process group: for tests and notebooks.
+"""Start the course's processes: scripts under ``torchrun``, and functions on N local processes.
 
-``torchrun`` is how scripts are launched; this is for the places that need the results back in the calling
-process, such as a test comparing a 2-process run with a 1-process reference, or a notebook cell. The
-processes rendezvous through a file (no port to collide on), and a deadline turns a hang into an error.
+- ``torchrun_command`` and ``launch``: a repository script under ``torchrun --standalone``, exactly as the README
+  tells readers to run it, from the repository's folder so that its relative paths hold. For notebooks,
+  benchmarks and tests (``REPO`` and ``TORCHRUN`` are defined here once).
+- ``run_on_ranks``: a function on N local processes that form a process group, for the places that need the
+  results back in the calling process, such as a test comparing a 2-process run with a 1-process reference, or
+  a notebook cell. The processes rendezvous through a file (no port to collide on), and a deadline turns a hang
+  into an error.
 
-The function must be importable (defined in a module, not in a notebook or a ``__main__`` script): each
-process is a fresh interpreter ("spawn") that finds it by module and name. A script's functions reach the
+``run_on_ranks``' function must be importable (defined in a module, not in a notebook or a ``__main__`` script):
+each process is a fresh interpreter ("spawn") that finds it by module and name. A script's functions reach the
 processes through ``load_script``, called inside the function they run.
 """
 
 import importlib.util
 import multiprocessing
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
-import torch
+# torch is imported inside the functions that need it: a launcher that only starts torchrun
+# (scripts/rehearse_two_nodes.py) then starts without loading PyTorch.
 
-from common.distributed import setup_distributed, teardown_distributed
+REPO = Path(__file__).resolve().parents[1]  # the repository: scripts are launched from here
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))  # the launcher installed beside this Python
+
+
+def torchrun_command(script, *args, nproc: int = 2) -> list[str]:
+    """``torchrun --standalone --nproc_per_node=NPROC SCRIPT ARGS...`` as a list of strings: one machine,
+    ``nproc`` processes. ``script`` is a path, relative to the folder the command will run in, or absolute."""
+    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(script), *map(str, args)]
+
+
+def launch(script, *args, nproc: int = 2, env_extra=None, timeout: float | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``torchrun_command(script, *args, nproc=nproc)`` in the repository's folder; return the finished
+    process, its standard output and error captured as text.
+
+    ``env_extra`` is added to this process's environment. ``check``: a non-zero exit raises ``RuntimeError``
+    with the end of the standard error, where the ranks' tracebacks are. ``timeout``: seconds before
+    ``subprocess.TimeoutExpired`` (none by default).
+    """
+    run = subprocess.run(torchrun_command(script, *args, nproc=nproc), cwd=REPO, capture_output=True, text=True,
+                         env={**os.environ, **(env_extra or {})}, timeout=timeout)
+    if check and run.returncode != 0:
+        raise RuntimeError(f"torchrun {script} exited with status {run.returncode}:\n{run.stderr[-2000:]}")
+    return run
 
 
 def run_on_ranks(fn, world_size: int, *args, timeout: float = 60.0):
@@ -31,6 +61,8 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 60.0):
     A rank that raises makes this raise with that rank's traceback; processes still running after
     ``timeout`` seconds are killed and a ``TimeoutError`` names them.
     """
+    import torch
+
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="run_on_ranks-") as tmp:
         tmp = Path(tmp)
@@ -84,6 +116,10 @@ def load_script(path):
 
 
 def _worker(fn, rank, world_size, tmp, args, timeout):
+    import torch
+
+    from common.distributed import setup_distributed, teardown_distributed
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # N processes on a few cores: one thread each avoids oversubscription

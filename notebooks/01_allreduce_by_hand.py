@@ -32,9 +32,6 @@ NPROC = 4  # processes for the bandwidth benchmark
 
 # %%
 import inspect
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 from d2l import torch as d2l
@@ -42,9 +39,8 @@ from IPython.display import Image
 
 from common import scratch
 from common.data import load_data
+from common.launch import REPO, launch
 
-REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 gpus = torch.cuda.device_count()
 if gpus >= 2:
     devices = [torch.device(f"cuda:{i}") for i in range(gpus)]
@@ -196,8 +192,5 @@ for rank, result in enumerate(run_on_ranks(hand_made_all_reduces, 3)):
 # %%
 sizes = ["4K", "64K", "1M"] if QUICK else ["4K", "64K", "1M", "16M", "64M"]
 plot_file = "runs/01_allreduce_bandwidth.png"
-run = subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={NPROC}", "solutions/07_ring_allreduce.py",
-                      "--sizes", *sizes, "--plot", plot_file], capture_output=True, text=True, cwd=REPO)
-print(run.stdout)
-assert run.returncode == 0, run.stderr[-2000:]
+print(launch("solutions/07_ring_allreduce.py", "--sizes", *sizes, "--plot", plot_file, nproc=NPROC).stdout)
 Image(filename=str(REPO / plot_file))

@@ -32,8 +32,6 @@ STEPS = 3 if QUICK else 20
 
 # %%
 import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -42,10 +40,9 @@ from IPython.display import Image, Markdown, display
 from torch import nn
 
 from common.data_parallel import data_parallel_forward
+from common.launch import REPO, launch
 from common.models import LeNet
 
-REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 GPUS = torch.cuda.device_count()
 
 
@@ -116,11 +113,8 @@ else:
 
 # %%
 results_dir = "runs/02_dp_vs_ddp"  # relative to the repository, where the command runs
-run = subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={NPROC}", "solutions/08_dp_vs_ddp.py",
-                      "--model", MODEL, "--steps", str(STEPS), "--results-dir", results_dir],
-                     capture_output=True, text=True, cwd=REPO)
-print(run.stdout)
-assert run.returncode == 0, run.stderr[-2000:]
+print(launch("solutions/08_dp_vs_ddp.py", "--model", MODEL, "--steps", STEPS, "--results-dir", results_dir,
+             nproc=NPROC).stdout)
 
 # %%
 display(Markdown((REPO / results_dir / "results.md").read_text()))

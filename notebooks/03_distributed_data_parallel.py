@@ -31,15 +31,13 @@ EPOCHS = 1 if QUICK else 5
 # %%
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 from torch.utils.data import DistributedSampler
 
-REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+from common.launch import REPO, TORCHRUN, launch
+
 print(f"PyTorch {torch.__version__}, {torch.cuda.device_count()} CUDA device(s)")
 
 # %% [markdown]
@@ -136,11 +134,9 @@ for name, result in recorded.items():
 
 # %%
 metrics_file = "runs/03_ddp_digits.json"  # relative to the repository, where the command runs
-run = subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={NPROC}", "solutions/01_ddp_basic.py",
-                      "--dataset", "digits", "--epochs", str(EPOCHS), "--metrics-file", metrics_file],
-                     capture_output=True, text=True, cwd=REPO)
-print("\n".join(line for line in run.stdout.splitlines() if line.startswith(("epoch", "model", str(NPROC)))))
-assert run.returncode == 0, run.stderr[-2000:]
+output = launch("solutions/01_ddp_basic.py", "--dataset", "digits", "--epochs", EPOCHS, "--metrics-file", metrics_file,
+                nproc=NPROC).stdout
+print("\n".join(line for line in output.splitlines() if line.startswith(("epoch", "model", str(NPROC)))))
 
 # %%
 metrics = json.loads((REPO / metrics_file).read_text())

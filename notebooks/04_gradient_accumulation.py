@@ -34,25 +34,13 @@ LR_NPROC = 1 if QUICK else 2  # one process starts faster; the full run uses 2
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
+from common.launch import REPO, launch
 from common.models import LeNet
-
-REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-
-
-def launch(*args, nproc=NPROC):
-    """Run a repository script under torchrun and return its standard output (the warnings go to stderr)."""
-    run = subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *map(str, args)],
-                         capture_output=True, text=True, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return run.stdout
-
 
 # %% [markdown]
 # ## Why the loss is divided
@@ -113,7 +101,8 @@ for name, rule in rules.items():
 # (`common.collectives.AllReduceCounter`) and times an effective step of 4 micro-steps, with and without `no_sync`:
 
 # %%
-print(launch("benchmarks/grad_accumulation.py", "--steps", 2 if QUICK else 5, "--rounds", 1 if QUICK else 5))
+print(launch("benchmarks/grad_accumulation.py", "--steps", 2 if QUICK else 5, "--rounds", 1 if QUICK else 5,
+             nproc=NPROC).stdout)
 
 # %% [markdown]
 # ## Accumulation follows the path of a bigger batch
@@ -127,7 +116,8 @@ for name, script, batch_args in [("4 x 16, accumulated", "solutions/02_gradient_
                                   ["--batch-size", 16, "--grad-accum-steps", 4]),
                                  ("64, plain DDP", "solutions/01_ddp_basic.py", ["--batch-size", 64])]:
     metrics_file = REPO / "runs" / f"04_{script.split('/')[1][:2]}.json"
-    launch(script, "--dataset", "digits", "--epochs", COMPARE_EPOCHS, *batch_args, "--metrics-file", metrics_file)
+    launch(script, "--dataset", "digits", "--epochs", COMPARE_EPOCHS, *batch_args, "--metrics-file", metrics_file,
+           nproc=NPROC)
     histories[name] = json.loads(metrics_file.read_text())["history"]
 for epoch in range(COMPARE_EPOCHS):
     print(f"epoch {epoch + 1}: " + ", ".join(f"{name}: train loss {history[epoch]['train_loss']:.5f}"

@@ -36,23 +36,12 @@ BENCHMARK = BENCHMARK if QUICK else []
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 
-REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-
-
-def launch(*args, nproc=NPROC):
-    """Run a repository script under torchrun and return its standard output (the warnings go to stderr)."""
-    run = subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *map(str, args)],
-                         capture_output=True, text=True, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return run.stdout
-
+from common.launch import REPO, launch
 
 # %% [markdown]
 # ## Three formats
@@ -179,7 +168,7 @@ histories = {}
 for precision in RUN_PRECISIONS:
     metrics_file = REPO / "runs" / f"05_{precision}.json"
     output = launch("solutions/04_mixed_precision.py", "--dataset", "digits", "--epochs", EPOCHS, *MAX_STEPS,
-                    "--precision", precision, "--metrics-file", metrics_file)
+                    "--precision", precision, "--metrics-file", metrics_file, nproc=NPROC).stdout
     metrics = json.loads(metrics_file.read_text())
     histories[precision] = metrics["history"]
     print(f"{precision}: final accuracy {metrics['final_test_accuracy']:.2%}, {metrics['samples_per_second']:,.0f} "

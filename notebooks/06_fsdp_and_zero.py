@@ -32,29 +32,15 @@ RESUME_NPROC = 1 if QUICK else 4  # the world size that resumes the 2-process ch
 
 # %%
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from common.data import load_data
-from common.fsdp import STRATEGIES, measure_strategies
-from common.launch import run_on_ranks
+from common.fsdp import measure_strategies
+from common.launch import REPO, launch, run_on_ranks
 from common.memory import bytes_per_parameter, zero_bytes_per_rank
 from common.models import DeepMLP
-
-REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-
-
-def launch(*args, nproc=2):
-    """Run a repository script under torchrun and return its standard output (the warnings go to stderr)."""
-    run = subprocess.run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *map(str, args)],
-                         capture_output=True, text=True, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return run.stdout
-
 
 # %% [markdown]
 # ## The arithmetic: 16 bytes per parameter
@@ -149,7 +135,7 @@ steps = ["--max-steps", MAX_STEPS] if MAX_STEPS else []
 for sharding in ("none", "full"):
     extra = ["--checkpoint-dir", checkpoints] if sharding == "full" else []
     output = launch("solutions/03_fsdp.py", "--dataset", "digits", "--epochs", 1, "--sharding", sharding,
-                    *steps, *extra)
+                    *steps, *extra).stdout
     print("\n".join(line for line in output.splitlines() if "epoch 1/1" in line or "rank 0" in line
                      or "sharding" in line))
 
@@ -165,7 +151,7 @@ for sharding in ("none", "full"):
 # %%
 print(sorted(path.name for path in (REPO / checkpoints / "epoch-0001").iterdir()))
 output = launch("solutions/03_fsdp.py", "--dataset", "digits", "--epochs", 2, *steps, "--checkpoint-dir", checkpoints,
-                "--resume", nproc=RESUME_NPROC)
+                "--resume", nproc=RESUME_NPROC).stdout
 print("\n".join(line for line in output.splitlines()
                 if "resumed" in line or "epoch 2/2" in line or "process(es)" in line))
 

@@ -42,9 +42,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
-sys.path.insert(0, str(REPO))
-from common.fault_tolerance import list_checkpoints, read_verified  # noqa: E402
+from common.fault_tolerance import list_checkpoints, read_verified
+from common.launch import REPO
 
 WORK = Path(tempfile.mkdtemp(prefix="lesson07-"))
 TRAINING = ["--dataset", "digits", "--epochs", EPOCHS, "--batch-size", 32, "--max-steps", MAX_STEPS,

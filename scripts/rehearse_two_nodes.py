@@ -29,9 +29,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+from common.launch import TORCHRUN
+
 # Workers get a store of their own on every attempt instead of sharing the agent's rendezvous store, whose
 # keys from the failed attempt make a restarted gloo group connect to dead peers (PyTorch 2.14.1, measured;
 # pytorch/pytorch#135712, #167288). Only restarts need it; it costs nothing otherwise.

@@ -7,10 +7,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.launch import load_script  # noqa: F401  (lab tests import it from here)
+from common.launch import REPO, TORCHRUN, load_script, torchrun_command  # noqa: F401  (tests import them from here)
 
-REPO = Path(__file__).resolve().parents[1]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))  # the launcher installed beside this Python
 PYTHON = sys.executable
 
 # Point urllib at a closed local port: a download fails at once, online or offline, so tests of the
@@ -42,8 +40,7 @@ def run_command(args, timeout: float, cwd=REPO, env_extra=None) -> Run:
 
 def torchrun(script, *args, nproc: int = 2, timeout: float = 180, env_extra=None) -> Run:
     """``torchrun --standalone --nproc_per_node=nproc script args``, as the README tells readers to run it."""
-    return run_command([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", REPO / script, *args],
-                       timeout=timeout, env_extra=env_extra)
+    return run_command(torchrun_command(REPO / script, *args, nproc=nproc), timeout=timeout, env_extra=env_extra)
 
 
 def lab_path(name: str) -> Path:

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.conftest import PYTHON, REPO, TORCHRUN, load_script, run_command
+from tests.conftest import PYTHON, REPO, load_script, run_command, torchrun
 
 
 def test_the_scaling_benchmark_prints_a_row_per_process_count():
@@ -17,9 +17,8 @@ def test_the_scaling_benchmark_prints_a_row_per_process_count():
 
 
 def test_the_accumulation_benchmark_counts_one_all_reduce_round_per_effective_step_under_no_sync():
-    run = run_command([TORCHRUN, "--standalone", "--nproc_per_node=2", REPO / "benchmarks/grad_accumulation.py",
-                       "--model", "lenet", "--batch-size", "2", "--accum-steps", "4", "--steps", "2", "--rounds", "1"],
-                      timeout=120)
+    run = torchrun("benchmarks/grad_accumulation.py", "--model", "lenet", "--batch-size", "2", "--accum-steps", "4",
+                   "--steps", "2", "--rounds", "1", nproc=2, timeout=120)
     assert run.returncode == 0, run.output
     rows = {line.rsplit(None, 3)[0].strip(): line.rsplit(None, 3)[1:] for line in run.stdout.splitlines()
             if line.strip().startswith(("allreduce every", "no_sync"))}
@@ -84,8 +83,8 @@ def test_the_restart_drill_reports_why_a_run_failed_not_the_intended_failure():
 
 
 def test_the_allreduce_benchmark_counts_the_messages_and_predicts_each_allreduce_from_its_building_blocks():
-    run = run_command([TORCHRUN, "--standalone", "--nproc_per_node=3", REPO / "benchmarks/allreduce_bandwidth.py",
-                       "--sizes", "4", "12K", "--rounds", "1", "--iterations", "1"], timeout=180)
+    run = torchrun("benchmarks/allreduce_bandwidth.py", "--sizes", "4", "12K", "--rounds", "1", "--iterations", "1",
+                   nproc=3, timeout=180)
     assert run.returncode == 0, run.output
     counts = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["naive"], ["ring"])]
     # algorithm, rank, sends, receives, sent and received in units of S: 3 ranks

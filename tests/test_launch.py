@@ -1,10 +1,26 @@
-"""``common.launch``: the harness that runs a function on N local processes turns a hang or a failing rank
-into an error."""
+"""``common.launch``: the torchrun command every notebook, benchmark and test launches, and the harness that
+runs a function on N local processes, which turns a hang or a failing rank into an error."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from common.launch import run_on_ranks
+from common.launch import REPO, TORCHRUN, run_on_ranks, torchrun_command
+
+
+def test_the_torchrun_command_is_the_readmes_single_machine_line():
+    assert torchrun_command("solutions/01_ddp_basic.py", "--epochs", 2, nproc=4) == [
+        TORCHRUN, "--standalone", "--nproc_per_node=4", "solutions/01_ddp_basic.py", "--epochs", "2"]
+    assert Path(TORCHRUN).exists() and (REPO / "solutions" / "01_ddp_basic.py").exists()
+
+
+def test_importing_the_launcher_leaves_pytorch_unloaded():
+    # scripts/rehearse_two_nodes.py imports TORCHRUN from here and only starts torchrun: it need not load PyTorch.
+    code = "import sys, common.launch; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
 def wait_forever(env):
