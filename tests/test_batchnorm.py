@@ -95,7 +95,6 @@ def test_sync_batch_norm_has_no_cpu_implementation_in_this_pytorch(world_size):
 
 
 @pytest.mark.cuda
-@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="nn.SyncBatchNorm needs CUDA tensors in PyTorch 2.14; this machine has no CUDA device")
 def test_sync_batch_norm_on_a_gpu_equals_one_process_on_the_whole_batch(batch_norm_ranks):
