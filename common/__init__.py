@@ -1,14 +1,30 @@
-"""Shared code of the multi-GPU training course.
+"""Shared code of the multi-GPU training course, one idea per module.
+
+What every script uses:
 
 - ``common.distributed``: process-group set-up and teardown, ``is_main``/``print0``, ``set_seed``, reductions.
+- ``common.launch``: scripts under ``torchrun`` (``torchrun_command``, ``launch``), and a function on N local
+  processes whose results come back (``run_on_ranks``: tests, notebooks).
+- ``common.cli``: argument types shared by the scripts.
 - ``common.data``: data sets by name (``digits`` works offline) and loaders sharded over ranks.
 - ``common.models``: ``LeNet``, ``SimpleCNN`` and ``DeepMLP`` (the sharding lessons' model).
-- ``common.batchnorm``: synchronized BatchNorm by hand (what ``nn.SyncBatchNorm`` computes), for CPUs.
-- ``common.metrics``: exact distributed evaluation.
-- ``common.checkpoint``: atomic, rank-0-only checkpoints and JSON files.
-- ``common.precision``: the ``--precision`` choices and a clear error where one cannot run.
-- ``common.memory``: bytes of model state per parameter and per ZeRO stage, and what a rank holds.
-- ``common.fsdp``: FSDP2 applied to a model, sharded (DCP) checkpoints, full state-dict export.
-- ``common.launch``: run a function on N local processes (tests, notebooks).
-- ``common.cli``: argument types shared by the scripts.
+- ``common.training``: what every training script shares: its options, loaders, progress bar and epoch figures.
+- ``common.metrics``: exact distributed evaluation, a run's summary and its JSON file, timing.
+- ``common.reports``: what the measuring solutions write for people to read: tables, JSON and plots.
+- ``common.checkpoint``: atomic, rank-0-only checkpoints, loaded with ``weights_only``.
+
+What a lesson builds or shows:
+
+- ``common.scratch`` (lesson 01): data parallelism from scratch in one process, the d2l way.
+- ``common.collectives`` (01): all-reduce by hand (naive, ring) from point-to-point messages, one-bucket
+  gradient averaging, and counters of DDP's all-reduces and of messages.
+- ``common.data_parallel`` (02): what ``nn.DataParallel`` does in one forward pass, written out.
+- ``common.ddp`` (03): DDP made visible: rank 0's weights at construction, gradient buckets, ``Join``.
+- ``common.batchnorm`` (03): synchronized BatchNorm by hand (what ``nn.SyncBatchNorm`` computes), for CPUs, and
+  BatchNorm's statistics across ranks and under DDP.
+- ``common.precision`` (05): the ``--precision`` choices and a clear error where one cannot run.
+- ``common.memory`` (06): bytes of model state per parameter and per ZeRO stage, what a rank holds, peak memory.
+- ``common.fsdp`` (06): FSDP2 applied to a model, sharded (DCP) checkpoints, full state-dict export.
+- ``common.fault_tolerance`` (07): numbered, verified checkpoints for restarts, the newest valid one, RNG states.
+- ``common.debugging`` (07): collectives that ranks get wrong, and what ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` says.
 """
