@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from common.cli import positive_int
-from common.metrics import memory_kind, peak_memory_mib, reset_peak_memory, synchronize
+from common.memory import memory_kind, peak_memory_mib, reset_peak_memory
+from common.metrics import synchronize
 from common.models import MODELS
 from common.precision import PRECISIONS, check_precision
 

@@ -4,7 +4,6 @@ Atomic means a reader sees either the old file or the new one, never half of one
 temporary file in the same folder, and ``os.replace`` then swaps it in with one rename.
 """
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -64,8 +63,3 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
         optimizer.load_state_dict(state["optimizer"])
     return {"epoch": state["epoch"], "step": state["step"]}
 
-
-def write_json(path, data: dict) -> None:
-    """Write ``data`` as indented JSON, atomically, from global rank 0 only."""
-    if is_main():
-        atomic_write(path, lambda file: file.write(json.dumps(data, indent=2).encode() + b"\n"))

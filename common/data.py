@@ -8,6 +8,7 @@ Every rank builds the same data set; ``DistributedSampler`` then gives each rank
 """
 
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -177,3 +178,21 @@ def make_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, t
     generator = torch.Generator().manual_seed(seed + rank)  # per rank, as set_seed(seed, rank) would
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                       pin_memory=pin_memory, persistent_workers=num_workers > 0, generator=generator)
+
+
+class FirstBatches:
+    """``loader`` cut short: the first ``max_batches`` batches of every epoch, or all of them when it is ``None``.
+
+    For quick runs (``--max-batches-per-epoch``). It behaves like the loader it wraps: iterate it for the batches,
+    ``len()`` counts what an epoch yields, ``.sampler.set_epoch(epoch)`` reshuffles.
+    """
+
+    def __init__(self, loader, max_batches: int | None = None):
+        self.loader, self.max_batches = loader, max_batches
+        self.sampler = loader.sampler
+
+    def __len__(self):
+        return min(len(self.loader), self.max_batches or len(self.loader))
+
+    def __iter__(self):
+        return islice(self.loader, len(self))

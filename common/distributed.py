@@ -9,12 +9,15 @@ variables; ``setup_distributed`` reads them, joins the process group and picks t
     finally:
         teardown_distributed()          # on the error path too: leave the group, then exit
 
+``process_group`` is those five lines as one ``with`` block, which the solutions use.
+
 Every mean here is a SUM followed by a division: a mean over samples needs the sums anyway, and it works on
 every backend and version (gloo had no ``ReduceOp.AVG`` until recent releases; 2.14 has it).
 """
 
 import os
 import random
+import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +48,12 @@ class DistEnv:
     world_size: int
     backend: str
     device: torch.device
+
+    @property
+    def device_ids(self) -> list[torch.device] | None:
+        """What ``DistributedDataParallel(model, device_ids=...)`` takes: this process's one GPU, or ``None`` on a
+        CPU, where DDP refuses a device list. With it, DDP's forward moves the inputs to that GPU too."""
+        return [self.device] if self.device.type == "cuda" else None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -134,6 +143,23 @@ def teardown_distributed() -> None:
         time.sleep(0.05)
 
 
+@contextmanager
+def process_group(backend: str = "auto"):
+    """``setup_distributed(backend)`` for the body of a ``with`` block, and ``teardown_distributed`` when it ends.
+
+        with process_group(args.backend) as env:   # env: rank, local_rank, world_size, backend, device
+            train(args, env)
+
+    The teardown runs on errors too (a ``try/finally``): the process leaves the group before it exits, and the
+    other ranks learn of the failure when its connections close.
+    """
+    env = setup_distributed(backend)
+    try:
+        yield env
+    finally:
+        teardown_distributed()
+
+
 def get_rank() -> int:
     """Global rank of this process; 0 outside a process group."""
     return dist.get_rank() if dist.is_initialized() else 0
@@ -153,6 +179,18 @@ def print0(*args, **kwargs) -> None:
     """``print`` on global rank 0 only, flushed so that progress shows up at once under torchrun."""
     if is_main():
         print(*args, **kwargs, flush=True)
+
+
+def rank_map(env: DistEnv) -> list[tuple[str, int, str]]:
+    """Where every rank runs, in rank order: ``(node rank, local rank, host name)``. A collective: call on every rank.
+
+    The node rank is torchrun's ``GROUP_RANK`` (``"0"`` without torchrun), which its rendezvous assigns.
+    """
+    me = (os.environ.get("GROUP_RANK", "0"), env.local_rank, socket.gethostname())
+    where = [me] * env.world_size
+    if dist.is_initialized():
+        dist.all_gather_object(where, me)
+    return where
 
 
 @contextmanager

@@ -36,7 +36,7 @@ class CorruptCheckpoint(Exception):
     """A checkpoint file that is incomplete, truncated or does not match its digest."""
 
 
-def checkpoint_path(folder, step: int) -> Path:
+def step_checkpoint_file(folder, step: int) -> Path:
     """The file that holds the state after optimizer step ``step``: ``folder/step_00000120.pt``."""
     return Path(folder) / f"step_{step:08d}.pt"
 

@@ -1,10 +1,8 @@
-"""Sharded data parallelism: the plumbing around FSDP2 and its sharded checkpoints, and lesson 06's measurements.
+"""Sharded data parallelism: the plumbing around FSDP2, sharded checkpoints, and lesson 06's measurements.
 
-Lesson 06's subject itself, sharding a model (``fully_shard`` on every block, then the root) and saving and
-loading its sharded checkpoints with ``torch.distributed.checkpoint``, is written out once, in
-``solutions/03_fsdp.py`` (``shard_model``, ``save_checkpoint``, ``load_checkpoint``); the tests and the
-measurements here run those functions (``common.launch.load_script``), never a copy. The order matters, as in
-torchtitan's ``apply_fsdp``:
+Lesson 06's subject itself, sharding a model (``fully_shard`` on every block, then the root), is written out
+once, in ``solutions/03_fsdp.py`` (``shard_model``); the tests and the measurements here run that function
+(``common.launch.load_script``), never a copy. The order matters, as in torchtitan's ``apply_fsdp``:
 
     net = shard_model(model, env, "full")             # on make_mesh(env): every block, then the root
     optimizer = torch.optim.Adam(net.parameters())    # AFTER sharding: it must see the DTensor shards
@@ -12,17 +10,27 @@ torchtitan's ``apply_fsdp``:
 ``fully_shard`` replaces each parameter by a DTensor that holds 1/N of it (rows split along dim 0) on each
 rank. In forward and backward it all-gathers one block's parameters just before that block runs, and in
 backward it reduce-scatters the gradients, so each rank keeps only the gradient of its own shard, averaged
-over ranks. ``export_full_state_dict`` gathers a plain, unsharded ``state_dict`` for a model without any wrapper.
+over ranks.
+
+Checkpoints stay sharded: ``save_sharded_checkpoint`` has every rank write its own shards with
+``torch.distributed.checkpoint`` (DCP), and ``load_sharded_checkpoint`` reads them back at any world size.
+``export_full_state_dict`` gathers a plain, unsharded ``state_dict`` for a model without any wrapper.
+``report_model_state`` prints what each rank holds beside ZeRO's prediction (``common.memory``).
 """
 
+import argparse
+import os
+import shutil
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -30,16 +38,41 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from common.checkpoint import atomic_write, unwrap
-from common.distributed import is_main
+from common.distributed import is_main, print0
 from common.launch import load_script
-from common.memory import local_bytes, training_state_bytes
-from common.metrics import reset_peak_memory
+from common.memory import (local_bytes, peak_memory_mib, reset_peak_memory, training_state_bytes,
+                           zero_bytes_per_rank)
 from common.models import DeepMLP
 
 SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "03_fsdp.py"  # lesson 06's shard_model and checkpoints
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+SHARDING = ("full", "grad-op", "none")  # the --sharding choices: FSDP2 with reshard_after_forward True, False; DDP
+FSDP_PRECISIONS = ("fp32", "bf16")  # the --precision choices of lesson 06: FSDP2's param_dtype None or bfloat16
 # What measure_model_state compares; the last is fsdp-full with the root forced to reshard after forward too
 STRATEGIES = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full", "fsdp-full-root-resharded")
+
+
+def sharding_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add lesson 06's options to ``parser``: how to shard, in which precision, offloaded or not, and checkpoints."""
+    parser.add_argument("--sharding", choices=SHARDING, default="full",
+                        help="full (FSDP1's FULL_SHARD, ZeRO-3): free each block's gathered parameters after its "
+                             "forward; grad-op (SHARD_GRAD_OP): keep them until its backward; none: DDP, ZeRO stage 0")
+    parser.add_argument("--precision", choices=FSDP_PRECISIONS, default="fp32",
+                        help="bf16: compute in bf16 (MixedPrecisionPolicy); shards and optimizer stay fp32")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="keep shards, gradients and Adam's states in CPU memory (CPUOffloadPolicy)")
+    parser.add_argument("--checkpoint-dir", type=Path, help="save a sharded (DCP) checkpoint here after every epoch")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    return parser
+
+
+def check_sharding_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """Stop with a usage message (``parser.error``) where ``sharding_arguments``' options do not go together."""
+    if args.resume and args.checkpoint_dir is None:
+        parser.error("--resume needs --checkpoint-dir")
+    if args.precision != "fp32" and args.sharding == "none":
+        parser.error("--precision bf16 goes through FSDP2's MixedPrecisionPolicy: use --sharding full or grad-op")
+    if args.cpu_offload and args.sharding == "none":
+        parser.error("--cpu-offload goes through FSDP2's CPUOffloadPolicy: use --sharding full or grad-op")
 
 
 def make_mesh(env) -> DeviceMesh:
@@ -57,10 +90,11 @@ def mixed_precision_policy(precision: str = "fp32") -> MixedPrecisionPolicy:
     reduce-scattered in fp32 (``reduce_dtype``), and the sharded parameters, gradients and optimizer states
     stay fp32. fp32: the default policy, which changes nothing.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not {precision!r}")
-    dtype = PRECISIONS[precision]
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
+    if precision not in FSDP_PRECISIONS:
+        raise ValueError(f"precision must be one of {FSDP_PRECISIONS}, not {precision!r}")
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def force_sum_reduction(model: nn.Module) -> None:
@@ -106,8 +140,8 @@ def full_gradients(model: nn.Module) -> list[torch.Tensor | None]:
     return [full_tensor(p.grad) for p in model.parameters()]
 
 
-def checkpoint_path(checkpoint_dir, epoch: int) -> Path:
-    """Where the sharded checkpoint taken after ``epoch`` lives: a folder, one file per rank plus ``.metadata``."""
+def epoch_checkpoint_dir(checkpoint_dir, epoch: int) -> Path:
+    """The folder of the sharded checkpoint taken after ``epoch``: one file per rank plus ``.metadata``."""
     return Path(checkpoint_dir) / f"epoch-{epoch:04d}"
 
 
@@ -116,6 +150,38 @@ def latest_checkpoint(checkpoint_dir) -> Path | None:
     found = sorted(path for path in Path(checkpoint_dir).glob("epoch-[0-9][0-9][0-9][0-9]")
                    if (path / ".metadata").exists())
     return found[-1] if found else None
+
+
+def save_sharded_checkpoint(path, net: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, step: int) -> None:
+    """Every rank writes its own shards of model and optimizer into folder ``path`` (DCP), with the progress.
+
+    Written under a temporary name that global rank 0 renames once all ranks are done: never half a checkpoint.
+    Call on every rank.
+    """
+    partial = path.with_name(path.name + ".partial")
+    if is_main():
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(net, optimizer)  # DTensor shards, keyed by parameter name
+    dcp.save({"model": model_state, "optimizer": optimizer_state, "progress": {"epoch": epoch, "step": step}},
+             checkpoint_id=partial)
+    dist.barrier()  # all shards are on disk
+    if is_main():
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(partial, path)
+    dist.barrier()
+
+
+def load_sharded_checkpoint(path, net: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Load ``save_sharded_checkpoint``'s folder into the sharded ``net`` and ``optimizer``; return the progress.
+
+    Any world size: each rank asks DCP for the slices that its own shards cover, whichever ranks wrote them.
+    """
+    model_state, optimizer_state = get_state_dict(net, optimizer)  # the sharded layout for DCP to fill
+    state = {"model": model_state, "optimizer": optimizer_state, "progress": {"epoch": 0, "step": 0}}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return state["progress"]
 
 
 def export_full_state_dict(path, model: nn.Module) -> None:
@@ -129,6 +195,29 @@ def export_full_state_dict(path, model: nn.Module) -> None:
     if is_main():
         atomic_write(path, lambda file: torch.save(state, file))
     dist.barrier()
+
+
+def report_model_state(env, num_parameters: int, sharding: str, state_bytes: dict | None) -> dict:
+    """Gather every rank's model-state bytes and peak memory, and have rank 0 print them beside ZeRO's prediction.
+
+    ``state_bytes``: this rank's ``training_state_bytes`` after its last step, plus ``parameters_after_forward``
+    (the parameter bytes it held between a forward and its backward); ``None`` when the run trained nothing.
+    ``sharding`` is the solution's ``--sharding``: ``none`` (DDP) is ZeRO stage 0, ``full`` and ``grad-op`` stage
+    3, since between steps both hold shards only. Call on every rank (it gathers). Returns what the metrics file
+    keeps: ``{"predicted_bytes_per_rank", "memory_per_rank"}``.
+    """
+    mine = {"rank": env.rank, **(state_bytes or {}), "peak_memory_mib": peak_memory_mib(env.device)}
+    per_rank = [None] * env.world_size
+    dist.all_gather_object(per_rank, mine)
+    stage = 0 if sharding == "none" else 3
+    predicted = zero_bytes_per_rank(num_parameters, env.world_size, stage)
+    print0(f"{num_parameters:,} parameters; model state per rank, MB (predicted for ZeRO stage {stage}: "
+           f"{predicted['total'] / 1e6:.2f})")
+    for row in per_rank if state_bytes else []:  # a resumed run with no epoch left trained nothing
+        print0(f"  rank {row['rank']}: parameters {row['parameters'] / 1e6:.2f}, gradients "
+               f"{row['gradients'] / 1e6:.2f}, optimizer {row['optimizer'] / 1e6:.2f}, total {row['total'] / 1e6:.2f}"
+               f" | held between forward and backward {row['parameters_after_forward'] / 1e6:.2f}")
+    return {"predicted_bytes_per_rank": predicted, "memory_per_rank": per_rank}
 
 
 def measure_model_state(env, strategy: str, script=SOLUTION, width: int = 512, depth: int = 4,

@@ -1,4 +1,4 @@
-"""Memory arithmetic of data-parallel training, and what a rank really holds.
+"""Memory in one place: the arithmetic of data-parallel training, what a rank really holds, and peak memory.
 
 Training with Adam keeps, for every parameter, its value, its gradient and two optimizer states (the running
 mean and mean square of the gradient). In fp32 that is 4 + 4 + 8 = 16 bytes. The ZeRO paper (Rajbhandari et
@@ -14,8 +14,11 @@ DDP replicates all 16 bytes on every rank. ZeRO divides them by the number of ra
     stage 3             optimizer states, gradients, parameters / N   (FSDP2, reshard_after_forward=True)
 
 ``zero_bytes_per_rank`` computes those figures; ``training_state_bytes`` measures what a rank holds, shards of
-DTensors included, so that the two can be compared.
+DTensors included, so that the two can be compared. ``reset_peak_memory`` and ``peak_memory_mib`` measure the
+peak a device (or, on a CPU, the process) reached, activations and temporary buffers included.
 """
+
+import sys
 
 import torch
 from torch import nn
@@ -89,3 +92,25 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     figures = {"parameters": local_bytes(parameters), "gradients": local_bytes(p.grad for p in parameters),
                "optimizer": local_bytes(optimizer_state_tensors(optimizer))}
     return {**figures, "total": sum(figures.values())}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory measurement on a CUDA device (on a CPU the process peak cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory in MiB: tensors allocated on ``device`` by this process since the last reset (CUDA), or the
+    peak resident memory of the whole process since it started (CPU), which includes Python and PyTorch."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource  # Unix only; PyTorch's CPU distributed backends are too
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def memory_kind(device: torch.device) -> str:
+    """What ``peak_memory_mib`` measures on ``device``, for table headers and plot labels."""
+    return "CUDA max_memory_allocated" if device.type == "cuda" else "process peak RSS"

@@ -1,18 +1,27 @@
-"""Exact distributed evaluation, and the memory and timing figures that the benchmarks report.
+"""Exact distributed evaluation, a run's summary and the JSON file it goes to, and timing.
 
 ``DistributedSampler`` pads a data set until it divides by the world size, by repeating the first indices of
 its shuffled permutation (of the data set's first samples only with ``shuffle=False``):
 11 test samples on 2 ranks become 12, one counted twice. Averaging per-rank accuracies counts the padding.
 ``evaluate`` gathers every rank's per-sample results with their data-set indices and keeps one result per
 index, so each test sample counts exactly once.
+
+Timing: ``synchronize`` waits for a device's queued work before a clock is read; ``slowest_rank_seconds`` times
+one collective call as the slowest rank saw it; ``time_training_steps`` times training steps after a warm-up,
+with the peak memory of the same steps.
 """
 
-import sys
+import json
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from common.checkpoint import atomic_write
+from common.distributed import is_main
+from common.memory import peak_memory_mib, reset_peak_memory
 
 
 @torch.no_grad()
@@ -77,6 +86,12 @@ def run_summary(history: list[dict], env, **details) -> dict:
     }
 
 
+def write_json(path, data: dict) -> None:
+    """Write ``data`` as indented JSON, atomically, from global rank 0 only."""
+    if is_main():
+        atomic_write(path, lambda file: file.write(json.dumps(data, indent=2).encode() + b"\n"))
+
+
 def synchronize(device: torch.device) -> None:
     """Wait until ``device`` has finished the work queued so far.
 
@@ -87,23 +102,46 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory measurement on a CUDA device (on a CPU the process peak cannot be reset)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+def slowest_rank_seconds(operation, device: torch.device) -> float:
+    """Seconds one call of ``operation()`` took on the slowest rank, all ranks starting together.
+
+    A barrier first, so that one rank's lateness is not billed to the operation; ``synchronize`` before reading
+    the clock; then the maximum over ranks (every rank returns it). Call on every rank.
+    """
+    dist.barrier()
+    start = time.perf_counter()
+    operation()
+    synchronize(device)
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
 
 
-def peak_memory_mib(device: torch.device) -> float:
-    """Peak memory in MiB: tensors allocated on ``device`` by this process since the last reset (CUDA), or the
-    peak resident memory of the whole process since it started (CPU), which includes Python and PyTorch."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource  # Unix only; PyTorch's CPU distributed backends are too
+def time_training_steps(net: nn.Module, batches, device: torch.device, warmup_steps: int, other_devices=()) -> dict:
+    """Train ``net`` with SGD on ``batches``; time the steps after the first ``warmup_steps``.
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
-
-
-def memory_kind(device: torch.device) -> str:
-    """What ``peak_memory_mib`` measures on ``device``, for table headers and plot labels."""
-    return "CUDA max_memory_allocated" if device.type == "cuda" else "process peak RSS"
+    Returns ``{"seconds", "samples", "steps", "peak_memory_mib"}`` for the timed steps only; the peak memory is
+    ``device``'s, measured from the first timed step. The peak of each of ``other_devices`` is reset at the same
+    moment, so that ``peak_memory_mib(other)`` read afterwards covers the same steps.
+    """
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    net.train()
+    start, samples, steps = None, 0, 0
+    for step, (X, y) in enumerate(batches):
+        if step == warmup_steps:
+            for each in (device, *other_devices):
+                synchronize(each)  # CUDA is asynchronous: finish the warm-up before the clock starts
+                reset_peak_memory(each)  # every device's peak from the same step on, warm-up left out
+            start = time.perf_counter()
+        loss = F.cross_entropy(net(X), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if start is not None:
+            samples, steps = samples + len(y), steps + 1
+    if start is None:
+        raise ValueError(f"{len(batches)} batch(es) leave no step to time after {warmup_steps} warm-up step(s)")
+    for each in (device, *other_devices):
+        synchronize(each)  # the clock stops when the last kernel has run, not when Python queued it
+    return {"seconds": time.perf_counter() - start, "samples": samples, "steps": steps,
+            "peak_memory_mib": peak_memory_mib(device)}

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SOLUTION_ARGS = ["--dataset", "digits", "--epochs", "1", "--max-steps", "5"]  # a few batches of real data
+SOLUTION_ARGS = ["--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "5"]  # a few batches of real data
 # import name -> package name, for what the solutions, benchmarks and tests import beyond the standard library
 REQUIRED = {"torch": "torch", "numpy": "numpy", "sklearn": "scikit-learn", "tqdm": "tqdm", "pytest": "pytest",
             "matplotlib": "matplotlib", "yaml": "pyyaml"}

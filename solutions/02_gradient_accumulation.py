@@ -17,36 +17,24 @@ last micro-step all-reduces: the others run inside ``net.no_sync()``, where DDP 
 """
 
 from contextlib import nullcontext
-from itertools import islice
 
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
-from common.cli import non_negative_int, positive_float, positive_int
-from common.distributed import is_main, print0, set_seed, setup_distributed, teardown_distributed
+from common.distributed import print0, process_group, set_seed
 from common.models import MODELS
-from common.training import EpochClock, finish_run, make_loaders, training_arguments
+from common.training import (TrainingHistory, accumulation_arguments, finish_run, linear_warmup, make_loaders,
+                             progress_bar, training_arguments)
 
 
 def parse_args(argv=None):
-    parser = training_arguments(__doc__.splitlines()[0])
-    parser.add_argument("--grad-accum-steps", type=positive_int, default=1,
-                        help="micro-batches per optimizer step on every process")
-    parser.add_argument("--clip-grad-norm", type=positive_float,
-                        help="clip the global norm of the averaged gradients to this, before each optimizer step")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=0,
-                        help="optimizer steps over which the learning rate rises linearly to --lr")
-    return parser.parse_args(argv)
+    return accumulation_arguments(training_arguments(__doc__.splitlines()[0])).parse_args(argv)
 
 
 def main(args):
-    env = setup_distributed(args.backend)
-    try:
+    with process_group(args.backend) as env:
         train(args, env)
-    finally:
-        teardown_distributed()
 
 
 def train(args, env):
@@ -58,41 +46,39 @@ def train(args, env):
     data, train_iter, test_iter = make_loaders(args, env, model_class)
 
     set_seed(args.seed)
-    net = DDP(model_class(num_classes=data.num_classes).to(env.device),
-              device_ids=[env.device] if env.device.type == "cuda" else None)
+    net = DDP(model_class(num_classes=data.num_classes).to(env.device), device_ids=env.device_ids)
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
-    # Linear warm-up: lr * 1/w, 2/w, ... up to lr after w optimizer steps, then constant.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                                  lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
+    scheduler = linear_warmup(optimizer, args.warmup_steps)  # lr x 1/w, 2/w, ... 1 over the first optimizer steps
 
-    clock = EpochClock(env, args.epochs)
-    batches_per_epoch = min(len(train_iter), args.max_steps or len(train_iter))
+    history = TrainingHistory(env, args.epochs)
     for epoch in range(args.epochs):
         train_iter.sampler.set_epoch(epoch)
-        clock.start()
+        history.start_epoch()
         loss_sum, samples, optimizer_steps = train_one_epoch(
-            net, islice(train_iter, batches_per_epoch), optimizer, scheduler, args.grad_accum_steps, env.device,
-            num_batches=batches_per_epoch, clip_grad_norm=args.clip_grad_norm,
-            progress=f"epoch {epoch + 1}/{args.epochs}")
-        clock.finish(epoch + 1, net, loss_sum, samples, test_iter, optimizer_steps=optimizer_steps,
-                     lr=scheduler.get_last_lr()[0])
-    finish_run(net, clock, args, batch_size_per_process=args.batch_size, grad_accum_steps=args.grad_accum_steps,
+            net, progress_bar(train_iter, f"epoch {epoch + 1}/{args.epochs}"), optimizer, scheduler,
+            args.grad_accum_steps, env.device, clip_grad_norm=args.clip_grad_norm)
+        history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter, optimizer_steps=optimizer_steps,
+                          lr=scheduler.get_last_lr()[0])
+    finish_run(net, history, args, batch_size_per_process=args.batch_size, grad_accum_steps=args.grad_accum_steps,
                effective_batch_size=effective_batch, lr=args.lr, warmup_steps=args.warmup_steps,
                clip_grad_norm=args.clip_grad_norm)
 
 
-def train_one_epoch(net, batches, optimizer, scheduler, accum_steps: int, device, num_batches: int,
-                    clip_grad_norm: float | None = None, progress: str = ""):
-    """One pass over ``num_batches`` micro-batches, an optimizer step after every ``accum_steps`` of them (and
-    after the last, possibly shorter, group). Returns the summed loss (a tensor), the samples and the steps."""
+def train_one_epoch(net, batches, optimizer, scheduler, accum_steps: int, device, clip_grad_norm: float | None = None):
+    """One pass over ``batches`` (micro-batches: it needs their number, ``len(batches)``), an optimizer step after
+    every ``accum_steps`` of them and after the last, possibly shorter, group. Returns the summed loss (a tensor),
+    the samples and the optimizer steps."""
     net.train()
     loss_sum, samples, optimizer_steps = torch.zeros((), device=device), 0, 0
-    for i, (X, y) in enumerate(tqdm(batches, total=num_batches, desc=progress, disable=not is_main() or not progress,
-                                    leave=False, mininterval=1.0)):
+    for i, (X, y) in enumerate(batches):
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        # BEGIN LAB: accumulate, then step
+        # Forward AND backward in `net.no_sync()` on every micro-step of a group but its last (the epoch's last
+        # group may be shorter), on the loss divided by the group's micro-steps; after the last: clip if asked, step
+        # the optimizer and the scheduler, zero the gradients, count the step. Keep `loss` undivided for below.
         group_start = i - i % accum_steps
-        micro_steps = min(accum_steps, num_batches - group_start)  # the epoch's last group may be shorter
+        micro_steps = min(accum_steps, len(batches) - group_start)  # the epoch's last group may be shorter
         last_micro_step = i == group_start + micro_steps - 1
         # Forward and backward both inside no_sync: DDP decides in forward whether backward will all-reduce.
         with nullcontext() if last_micro_step else net.no_sync():
@@ -106,6 +92,7 @@ def train_one_epoch(net, batches, optimizer, scheduler, accum_steps: int, device
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             optimizer_steps += 1
+        # END LAB
         loss_sum += loss.detach() * len(y)
         samples += len(y)
     return loss_sum, samples, optimizer_steps

@@ -21,121 +21,42 @@ another world size loads them exactly, then trains as a run of its own size (the
     torchrun --standalone --nproc_per_node=2 solutions/03_fsdp.py --dataset digits --epochs 2 \
         --checkpoint-dir checkpoints/fsdp
     python solutions/03_fsdp.py --dataset digits --epochs 3 --checkpoint-dir checkpoints/fsdp --resume
-
---sharding: full = fully_shard(block, reshard_after_forward=True), FSDP1's FULL_SHARD, ZeRO-3; grad-op =
-fully_shard(block, reshard_after_forward=False), FSDP1's SHARD_GRAD_OP: parameters, gradients and optimizer states
-are still sharded between steps, but each block's gathered parameters stay from its forward until its backward.
-Under both the root keeps FSDP2's default: gathered from its forward to its backward, which begins with it.
-none = DistributedDataParallel, every rank a full replica (ZeRO stage 0), the baseline the others are measured
-against.
 """
 
-import os
-import shutil
-from itertools import islice
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
-from common.checkpoint import write_json
-from common.distributed import (is_main, print0, replicas_in_sync, set_seed, setup_distributed,
-                                teardown_distributed)
-from common.fsdp import (PRECISIONS, checkpoint_path, export_full_state_dict, latest_checkpoint, make_mesh,
-                         mixed_precision_policy, reshard)
-from common.memory import local_bytes, training_state_bytes, zero_bytes_per_rank
-from common.metrics import peak_memory_mib, run_summary
+from common.distributed import print0, process_group, replicas_in_sync, set_seed
+from common.fsdp import (check_sharding_arguments, epoch_checkpoint_dir, export_full_state_dict, latest_checkpoint,
+                         make_mesh, mixed_precision_policy, report_model_state, reshard, sharding_arguments)
+# BEGIN LAB: every rank writes its own shards, with torch.distributed.checkpoint
+# get_state_dict(net, optimizer) gives the sharded state dicts: dcp.save them and {"epoch": epoch, "step": step}
+# into a temporary folder, which global rank 0 renames to `path` once every rank has written.
+from common.fsdp import save_sharded_checkpoint  # isort: skip
+# END LAB
+# BEGIN LAB: load the shards back, at any world size
+# dcp.load fills state dicts that already have this run's sharded layout (get_state_dict); set_state_dict puts
+# them in place. Return the progress.
+from common.fsdp import load_sharded_checkpoint  # isort: skip
+# END LAB
+from common.memory import local_bytes, training_state_bytes
 from common.models import MODELS
-from common.training import EpochClock, make_loaders, training_arguments
-
-SHARDING = ("full", "grad-op", "none")
+from common.training import TrainingHistory, make_loaders, progress_bar, training_arguments, write_metrics
 
 
 def parse_args(argv=None):
-    parser = training_arguments(__doc__.splitlines()[0])
+    parser = sharding_arguments(training_arguments(__doc__.splitlines()[0]))
     parser.set_defaults(model="mlp", lr=1e-3)  # Adam's usual learning rate; the model whose blocks shard
-    parser.add_argument("--sharding", choices=SHARDING, default="full",
-                        help="full: ZeRO-3; grad-op: keep gathered parameters until backward; none: DDP")
-    parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
-                        help="bf16: compute in bf16 (MixedPrecisionPolicy); shards and optimizer stay fp32")
-    parser.add_argument("--cpu-offload", action="store_true",
-                        help="keep shards, gradients and Adam's states in CPU memory (CPUOffloadPolicy)")
-    parser.add_argument("--checkpoint-dir", type=Path, help="save a sharded (DCP) checkpoint here after every epoch")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     args = parser.parse_args(argv)
-    if args.resume and args.checkpoint_dir is None:
-        parser.error("--resume needs --checkpoint-dir")
-    if args.precision != "fp32" and args.sharding == "none":
-        parser.error("--precision bf16 goes through FSDP2's MixedPrecisionPolicy: use --sharding full or grad-op")
-    if args.cpu_offload and args.sharding == "none":
-        parser.error("--cpu-offload goes through FSDP2's CPUOffloadPolicy: use --sharding full or grad-op")
+    check_sharding_arguments(parser, args)  # e.g. --resume needs --checkpoint-dir
     return args
 
 
 def main(args):
-    env = setup_distributed(args.backend)
-    try:
+    with process_group(args.backend) as env:
         train(args, env)
-    finally:
-        teardown_distributed()
-
-
-def shard_model(model, env, sharding: str, precision: str = "fp32", offload: bool = False):
-    """Apply the data parallelism that ``sharding`` names to ``model`` (in place); return the model to train.
-
-    ``offload``: FSDP2 keeps the shards, their gradients and Adam's states in CPU memory and steps on the CPU.
-    """
-    if sharding == "none":
-        return DDP(model, device_ids=[env.device] if env.device.type == "cuda" else None)
-    mesh = make_mesh(env)  # 1-D: all ranks shard every parameter among themselves
-    # Pinned CPU memory speeds up the copies to a GPU, and needs a CUDA driver to exist at all.
-    offload_policy = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if offload else OffloadPolicy()
-    options = dict(mesh=mesh, mp_policy=mixed_precision_policy(precision), offload_policy=offload_policy)
-    # One unit per block, so that one block at a time is gathered; then the root, bottom-up, takes what is left
-    # (stem and head). Parameters become DTensors: rank r keeps chunk r of dim 0 (the last chunk may be shorter).
-    for block in getattr(model, "blocks", []):  # DeepMLP's blocks; a model without them is one unit
-        fully_shard(block, reshard_after_forward=sharding == "full", **options)
-    # The root keeps FSDP2's default, which never reshards it after forward: backward starts with the root's own
-    # parameters (the head), so freeing them would only gather them again at once, one all-gather more per step.
-    fully_shard(model, **options)
-    return model
-
-
-def save_checkpoint(path, net, optimizer, epoch: int, step: int) -> None:
-    """Every rank writes its own shards of model and optimizer into folder ``path`` (DCP), with the progress.
-
-    Written under a temporary name that global rank 0 renames once all ranks are done: never half a checkpoint.
-    """
-    partial = path.with_name(path.name + ".partial")
-    if is_main():
-        shutil.rmtree(partial, ignore_errors=True)
-    dist.barrier()
-    model_state, optimizer_state = get_state_dict(net, optimizer)  # DTensor shards, keyed by parameter name
-    dcp.save({"model": model_state, "optimizer": optimizer_state, "progress": {"epoch": epoch, "step": step}},
-             checkpoint_id=partial)
-    dist.barrier()  # all shards are on disk
-    if is_main():
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(partial, path)
-    dist.barrier()
-
-
-def load_checkpoint(path, net, optimizer) -> dict:
-    """Load ``save_checkpoint``'s folder into the sharded ``net`` and ``optimizer``; return the progress.
-
-    Any world size: each rank asks DCP for the slices that its own shards cover, whichever ranks wrote them.
-    """
-    model_state, optimizer_state = get_state_dict(net, optimizer)  # the sharded layout for DCP to fill
-    state = {"model": model_state, "optimizer": optimizer_state, "progress": {"epoch": 0, "step": 0}}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    return state["progress"]
 
 
 def train(args, env):
@@ -151,38 +72,66 @@ def train(args, env):
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)  # after sharding: it holds the shards' states
 
-    start_epoch, step = 0, 0
+    start_epoch, step, state_bytes = 0, 0, None
     if args.resume and (found := latest_checkpoint(args.checkpoint_dir)) is not None:
-        progress = load_checkpoint(found, net, optimizer)
+        progress = load_sharded_checkpoint(found, net, optimizer)
         start_epoch, step = progress["epoch"], progress["step"]
         print0(f"resumed from {found}: {start_epoch} epoch(s), {step} step(s) done")
-
-    clock = EpochClock(env, args.epochs)
-    batches_per_epoch = min(len(train_iter), args.max_steps or len(train_iter))
-    state_bytes = None
+    history = TrainingHistory(env, args.epochs)
     for epoch in range(start_epoch, args.epochs):
         train_iter.sampler.set_epoch(epoch)
-        clock.start()
-        loss_sum, samples, state_bytes = train_one_epoch(net, islice(train_iter, batches_per_epoch), optimizer,
-                                                         env.device, batches_per_epoch, progress=f"epoch {epoch + 1}")
-        step += batches_per_epoch
-        clock.finish(epoch + 1, net, loss_sum, samples, test_iter)
+        history.start_epoch()
+        loss_sum, samples, state_bytes = train_one_epoch(net, progress_bar(train_iter, f"epoch {epoch + 1}"),
+                                                         optimizer, env.device)
+        step += len(train_iter)
+        history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter)
         reshard(net)  # evaluation's forwards (no backward) left the root gathered, and under grad-op every block
         if args.checkpoint_dir:
-            save_checkpoint(checkpoint_path(args.checkpoint_dir, epoch + 1), net, optimizer, epoch + 1, step)
+            save_sharded_checkpoint(epoch_checkpoint_dir(args.checkpoint_dir, epoch + 1), net, optimizer, epoch + 1,
+                                    step)
     if args.checkpoint_dir:  # one plain state_dict for a model without any wrapper
         export_full_state_dict(args.checkpoint_dir / "model_full.pt", net)
-    finish(net, clock, args, env, num_parameters, state_bytes)
+
+    in_sync = replicas_in_sync(net)  # gathers the shards: a collective
+    print0(f"full parameters identical on all {env.world_size} rank(s): {in_sync}")
+    memory = report_model_state(env, num_parameters, args.sharding, state_bytes)  # every rank's, and ZeRO's
+    write_metrics(history, args, sharding=args.sharding, precision=args.precision, num_parameters=num_parameters,
+                  parameters_in_sync=in_sync, **memory)
 
 
-def train_one_epoch(net, batches, optimizer, device, num_batches: int, progress: str = ""):
+def shard_model(model, env, sharding: str, precision: str = "fp32", offload: bool = False):
+    """Apply the data parallelism that ``sharding`` names to ``model`` (in place); return the model to train.
+
+    ``offload``: FSDP2 keeps the shards, their gradients and Adam's states in CPU memory and steps on the CPU.
+    """
+    if sharding == "none":
+        return DDP(model, device_ids=env.device_ids)
+    mesh = make_mesh(env)  # 1-D: all ranks shard every parameter among themselves
+    # BEGIN LAB: shard the model with fully_shard
+    # Each block of model.blocks (if it has them), then the root model, on `mesh`: full frees a block's gathered
+    # parameters after its forward, grad-op keeps them (reshard_after_forward); the root keeps FSDP2's default.
+    # mp_policy from mixed_precision_policy(precision); offload: CPUOffloadPolicy, else OffloadPolicy().
+    # Pinned CPU memory speeds up the copies to a GPU, and needs a CUDA driver to exist at all.
+    offload_policy = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if offload else OffloadPolicy()
+    options = dict(mesh=mesh, mp_policy=mixed_precision_policy(precision), offload_policy=offload_policy)
+    # One unit per block, so that one block at a time is gathered; then the root, bottom-up, takes what is left
+    # (stem and head). Parameters become DTensors: rank r keeps chunk r of dim 0 (the last chunk may be shorter).
+    for block in getattr(model, "blocks", []):  # DeepMLP's blocks; a model without them is one unit
+        fully_shard(block, reshard_after_forward=sharding == "full", **options)
+    # The root keeps FSDP2's default, which never reshards it after forward: backward starts with the root's own
+    # parameters (the head), so freeing them would only gather them again at once, one all-gather more per step.
+    fully_shard(model, **options)
+    # END LAB
+    return model
+
+
+def train_one_epoch(net, batches, optimizer, device):
     """One pass over the batches. Returns the summed loss, the samples, and the bytes of model state that this
     rank held after the last step (``common.memory.training_state_bytes``) plus the parameter bytes it held
     between the first forward and its backward: shards under ``full``, whole gathered blocks under ``grad-op``."""
     net.train()
     loss_sum, samples, held = torch.zeros((), device=device), 0, None
-    for X, y in tqdm(batches, total=num_batches, desc=progress, disable=not is_main() or not progress,
-                     leave=False, mininterval=1.0):
+    for X, y in batches:
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)  # before, not after: the gradients stay to be measured
         loss = F.cross_entropy(net(X), y)
@@ -193,29 +142,6 @@ def train_one_epoch(net, batches, optimizer, device, num_batches: int, progress:
         loss_sum += loss.detach() * len(y)
         samples += len(y)
     return loss_sum, samples, {**training_state_bytes(net, optimizer), "parameters_after_forward": held}
-
-
-def finish(net, clock, args, env, num_parameters: int, state_bytes: dict | None):
-    """Gather every rank's memory figures, check the parameters, have rank 0 print and write the metrics."""
-    in_sync = replicas_in_sync(net)
-    mine = {"rank": env.rank, **(state_bytes or {}), "peak_memory_mib": peak_memory_mib(env.device)}
-    per_rank = [None] * env.world_size
-    dist.all_gather_object(per_rank, mine)
-    stage = 0 if args.sharding == "none" else 3  # between steps grad-op is sharded like full
-    predicted = zero_bytes_per_rank(num_parameters, env.world_size, stage)
-    print0(f"full parameters identical on all {env.world_size} rank(s): {in_sync}")
-    print0(f"{num_parameters:,} parameters; model state per rank, MB (predicted for ZeRO stage {stage}: "
-           f"{predicted['total'] / 1e6:.2f})")
-    for row in per_rank if state_bytes else []:  # a resumed run with no epoch left trained nothing
-        print0(f"  rank {row['rank']}: parameters {row['parameters'] / 1e6:.2f}, gradients "
-               f"{row['gradients'] / 1e6:.2f}, optimizer {row['optimizer'] / 1e6:.2f}, total {row['total'] / 1e6:.2f}"
-               f" | held between forward and backward {row['parameters_after_forward'] / 1e6:.2f}")
-    if args.metrics_file:
-        write_json(args.metrics_file, run_summary(
-            clock.history, env, dataset=args.dataset, model=args.model, sharding=args.sharding,
-            precision=args.precision, num_parameters=num_parameters, parameters_in_sync=in_sync,
-            predicted_bytes_per_rank=predicted, memory_per_rank=per_rank))
-        print0(f"metrics written to {args.metrics_file}")
 
 
 if __name__ == "__main__":

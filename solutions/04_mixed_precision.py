@@ -22,39 +22,28 @@ micro-step, then unscale_, clip, step and update once per optimizer step.
 """
 
 from contextlib import nullcontext
-from itertools import islice
 
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
-from common.cli import non_negative_int, positive_float, positive_int
-from common.distributed import is_main, print0, set_seed, setup_distributed, teardown_distributed
+from common.distributed import print0, process_group, set_seed
 from common.models import MODELS
 from common.precision import PRECISIONS, check_precision
-from common.training import EpochClock, finish_run, make_loaders, training_arguments
+from common.training import (TrainingHistory, accumulation_arguments, finish_run, linear_warmup, make_loaders,
+                             progress_bar, training_arguments)
 
 
 def parse_args(argv=None):
-    parser = training_arguments(__doc__.splitlines()[0])
-    parser.add_argument("--grad-accum-steps", type=positive_int, default=1,
-                        help="micro-batches per optimizer step on every process")
-    parser.add_argument("--clip-grad-norm", type=positive_float,
-                        help="clip the global norm of the averaged, unscaled gradients to this, before each step")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=0,
-                        help="optimizer steps over which the learning rate rises linearly to --lr")
+    parser = accumulation_arguments(training_arguments(__doc__.splitlines()[0]))
     parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                         help="autocast dtype of the forward pass; fp16 adds loss scaling")
     return parser.parse_args(argv)
 
 
 def main(args):
-    env = setup_distributed(args.backend)
-    try:
+    with process_group(args.backend) as env:
         train(args, env)
-    finally:
-        teardown_distributed()
 
 
 def train(args, env):
@@ -67,51 +56,50 @@ def train(args, env):
     data, train_iter, test_iter = make_loaders(args, env, model_class)
 
     set_seed(args.seed)
-    net = DDP(model_class(num_classes=data.num_classes).to(env.device),
-              device_ids=[env.device] if env.device.type == "cuda" else None)
+    net = DDP(model_class(num_classes=data.num_classes).to(env.device), device_ids=env.device_ids)
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
-    # Linear warm-up: lr * 1/w, 2/w, ... up to lr after w optimizer steps, then constant.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                                  lambda step: min(1.0, (step + 1) / (args.warmup_steps + 1)))
+    scheduler = linear_warmup(optimizer, args.warmup_steps)
     # One scaler for the whole run: its scale is learned across epochs. Disabled, every call is a pass-through.
     scaler = torch.amp.GradScaler(env.device.type, enabled=args.precision == "fp16")
 
-    clock = EpochClock(env, args.epochs)
-    batches_per_epoch = min(len(train_iter), args.max_steps or len(train_iter))
-    skipped_total = 0
+    history, skipped_total = TrainingHistory(env, args.epochs), 0
     for epoch in range(args.epochs):
         train_iter.sampler.set_epoch(epoch)
-        clock.start()
+        history.start_epoch()
         loss_sum, samples, optimizer_steps, skipped_steps = train_one_epoch(
-            net, islice(train_iter, batches_per_epoch), optimizer, scheduler, scaler, args.grad_accum_steps,
-            env.device, num_batches=batches_per_epoch, precision=args.precision,
-            clip_grad_norm=args.clip_grad_norm, progress=f"epoch {epoch + 1}/{args.epochs}")
+            net, progress_bar(train_iter, f"epoch {epoch + 1}/{args.epochs}"), optimizer, scheduler, scaler,
+            args.grad_accum_steps, env.device, precision=args.precision, clip_grad_norm=args.clip_grad_norm)
         skipped_total += skipped_steps
-        clock.finish(epoch + 1, net, loss_sum, samples, test_iter, optimizer_steps=optimizer_steps,
-                     skipped_steps=skipped_steps, loss_scale=scaler.get_scale(), lr=scheduler.get_last_lr()[0])
+        history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter, optimizer_steps=optimizer_steps,
+                          skipped_steps=skipped_steps, loss_scale=scaler.get_scale(), lr=scheduler.get_last_lr()[0])
         if scaler.is_enabled():
             print0(f"  loss scale {scaler.get_scale():g}, {skipped_steps} of {optimizer_steps} step(s) skipped "
                    f"(inf/NaN gradients)")
-    finish_run(net, clock, args, precision=args.precision, skipped_steps=skipped_total, final_scale=scaler.get_scale(),
-               batch_size_per_process=args.batch_size, grad_accum_steps=args.grad_accum_steps,
-               effective_batch_size=effective_batch, lr=args.lr, warmup_steps=args.warmup_steps,
-               clip_grad_norm=args.clip_grad_norm)
+    finish_run(net, history, args, precision=args.precision, skipped_steps=skipped_total,
+               final_scale=scaler.get_scale(), batch_size_per_process=args.batch_size,
+               grad_accum_steps=args.grad_accum_steps, effective_batch_size=effective_batch, lr=args.lr,
+               warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm)
 
 
-def train_one_epoch(net, batches, optimizer, scheduler, scaler, accum_steps: int, device, num_batches: int,
-                    precision: str = "fp32", clip_grad_norm: float | None = None, progress: str = ""):
-    """One pass over ``num_batches`` micro-batches, an optimizer step after every ``accum_steps`` of them (and after
-    the last, possibly shorter, group), the forward pass autocast to ``precision``. Returns the summed loss (a
-    tensor), the samples, the optimizer steps attempted and how many of them the scaler skipped."""
+def train_one_epoch(net, batches, optimizer, scheduler, scaler, accum_steps: int, device, precision: str = "fp32",
+                    clip_grad_norm: float | None = None):
+    """One pass over ``batches`` (micro-batches), an optimizer step after every ``accum_steps`` of them and after the
+    last, possibly shorter, group, the forward pass autocast to ``precision``. Returns the summed loss (a tensor),
+    the samples, the optimizer steps attempted and how many of them the scaler skipped."""
     net.train()
     loss_sum, samples, optimizer_steps, skipped_steps = torch.zeros((), device=device), 0, 0, 0
-    for i, (X, y) in enumerate(tqdm(batches, total=num_batches, desc=progress, disable=not is_main() or not progress,
-                                    leave=False, mininterval=1.0)):
+    for i, (X, y) in enumerate(batches):
         X, y = X.to(device, non_blocking=True), y.to(device, non_blocking=True)
         group_start = i - i % accum_steps
-        micro_steps = min(accum_steps, num_batches - group_start)  # the epoch's last group may be shorter
+        micro_steps = min(accum_steps, len(batches) - group_start)  # the epoch's last group may be shorter
         last_micro_step = i == group_start + micro_steps - 1
+        # BEGIN LAB: autocast the forward, scale the loss, then unscale_, clip, step, update
+        # As in lab 02, forward AND backward in `net.no_sync()` but on the last micro-step. The loss under
+        # `torch.autocast(device_type=device.type, dtype=PRECISIONS[precision])`, disabled for fp32; backward
+        # outside it, on `scaler.scale(loss / micro_steps)`. After the last micro-step: `scaler.unscale_` BEFORE
+        # clipping, then `scaler.step` and `scaler.update`. A skipped step (the scale went down) is counted in
+        # `skipped_steps` and does not step the scheduler. Count every step in `optimizer_steps`.
         # Forward and backward both inside no_sync: DDP decides in forward whether backward will all-reduce.
         with nullcontext() if last_micro_step else net.no_sync():
             with torch.autocast(device_type=device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32"):
@@ -132,6 +120,7 @@ def train_one_epoch(net, batches, optimizer, scheduler, scaler, accum_steps: int
             optimizer.zero_grad(set_to_none=True)
             optimizer_steps += 1
             skipped_steps += skipped
+        # END LAB
         loss_sum += loss.detach() * len(y)
         samples += len(y)
     return loss_sum, samples, optimizer_steps, skipped_steps

@@ -17,16 +17,13 @@ continue from it, and end with the parameters an uninterrupted run would have, b
         --rdzv-endpoint NODE0:29400 --rdzv-id job42 --max-restarts 3 solutions/05_multi_node.py \
         --checkpoint-dir /shared/checkpoints/job42
 
-    # fault drill: the last rank fails at step 30 on the first attempt; torchrun restarts all, they resume
-    # (run again, it would resume the finished run: delete checkpoints/drill first). TORCH_DISABLE_SHARE_RDZV_TCP_STORE
-    # is read by torchrun's agent: unset, every attempt shares one store and a restart can read dead peers' addresses
+    # fault drill: the last rank fails at step 30 on the first attempt; torchrun restarts all, they resume (delete
+    # checkpoints/drill to run it again). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: each attempt gets a store of its own
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 --max-restarts 1 \
         solutions/05_multi_node.py --dataset digits --checkpoint-dir checkpoints/drill --checkpoint-every 10 \
         --fail-at-step 30
 """
 
-import os
-import socket
 from itertools import islice
 
 import torch
@@ -37,65 +34,53 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import unwrap
 from common.cli import positive_int
-from common.distributed import is_main, print0, set_seed, setup_distributed, teardown_distributed
-from common.fault_tolerance import (checkpoint_path, gather_rng_states, newest_valid_checkpoint, prune_checkpoints,
-                                    read_verified, restart_attempt, set_rng_state, write_verified)
+from common.distributed import is_main, print0, process_group, rank_map, set_seed
+from common.fault_tolerance import (gather_rng_states, newest_valid_checkpoint, prune_checkpoints, read_verified,
+                                    restart_attempt, set_rng_state, step_checkpoint_file, write_verified)
 from common.models import MODELS
-from common.training import EpochClock, finish_run, make_loaders, training_arguments
+from common.training import TrainingHistory, finish_run, make_loaders, training_arguments
 
 
 def parse_args(argv=None):
     parser = training_arguments(__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint-dir", help="checkpoints go here, and a (re)started run resumes from here; "
-                        "on a cluster, a folder that every node sees")
+    parser.add_argument("--checkpoint-dir", help="saved here; a (re)start resumes from here (on a cluster: shared)")
     parser.add_argument("--checkpoint-every", type=positive_int, default=50, help="optimizer steps between saves")
     parser.add_argument("--keep-checkpoints", type=positive_int, default=2, help="the newest N are kept")
-    parser.add_argument("--fail-at-step", type=positive_int,
-                        help="test hook: the last rank raises an error at this step, on the first attempt only")
+    parser.add_argument("--fail-at-step", type=positive_int, help="test hook: the last rank fails here, first attempt")
     return parser.parse_args(argv)
 
 
 @record  # a failing worker's traceback goes to torchrun's error file, and its summary names the rank
 def main(args):
-    env = setup_distributed(args.backend)
-    try:
+    with process_group(args.backend) as env:
         train(args, env)
-    finally:
-        teardown_distributed()
 
 
 def train(args, env):
     attempt = restart_attempt(env.device)  # 0, then 1 after the first restart... the same on every rank
-    me = (os.environ.get("GROUP_RANK", "0"), env.local_rank, socket.gethostname())  # GROUP_RANK: the node rank
-    where = [me] * env.world_size
-    if dist.is_initialized():
-        dist.all_gather_object(where, me)
+    where = rank_map(env)  # (node rank, local rank, host) of every rank
     print0(f"{env.world_size} process(es), backend {env.backend}, attempt {attempt} | "
            + ", ".join(f"rank {r}: node {n} local {lr} on {h}" for r, (n, lr, h) in enumerate(where)))
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)
     set_seed(args.seed)
-    # find_unused_parameters=True keeps DDP's first gradient buckets for the whole run. By default DDP rebuilds
-    # them after step 1 in the order gradients became ready, so a resumed run's first step (fresh buckets)
-    # sums each element in a different order than the uninterrupted run did. With 4 ranks, LeNet: 394 of 129,068
-    # parameters off by up to 3.7e-9, 1 ulp at the tensor's largest value (tests/test_multiprocess.py); with 2,
-    # a + b = b + a and the sums are bit-identical anyway.
-    net = DDP(model_class(num_classes=data.num_classes).to(env.device),
-              device_ids=[env.device] if env.device.type == "cuda" else None, find_unused_parameters=True)
+    # find_unused_parameters=True keeps DDP's first gradient buckets for the run: rebuilt after step 1 (the default),
+    # a resumed run's first step would sum in another order (4 ranks: 1 ulp off; tests/test_checkpoint.py).
+    net = DDP(model_class(num_classes=data.num_classes).to(env.device), device_ids=env.device_ids,
+              find_unused_parameters=True)
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
-    steps_per_epoch = min(len(train_iter), args.max_steps or len(train_iter))
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=steps_per_epoch, gamma=0.8)  # per epoch
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=len(train_iter), gamma=0.8)  # per epoch
 
-    clock = EpochClock(env, args.epochs)
-    epoch, step, batch_in_epoch, clock.history = resume(args.checkpoint_dir, env, net, optimizer, scheduler)
-    for epoch in range(epoch, args.epochs):
+    history = TrainingHistory(env, args.epochs)
+    start_epoch, step, batch_in_epoch, history.rows = resume(args.checkpoint_dir, env, net, optimizer, scheduler)
+    for epoch in range(start_epoch, args.epochs):
         train_iter.sampler.set_epoch(epoch)  # the epoch's permutation, the same as before the crash
-        clock.start()
+        history.start_epoch()
         net.train()
         loss_sum, samples = torch.zeros((), device=env.device), 0
         # Skip the batches that the checkpoint already holds: the sampler position.
-        for i, (X, y) in enumerate(islice(train_iter, batch_in_epoch, steps_per_epoch), start=batch_in_epoch):
+        for i, (X, y) in enumerate(islice(train_iter, batch_in_epoch, None), start=batch_in_epoch):
             step += 1
             if step == args.fail_at_step and attempt == 0 and env.rank == env.world_size - 1:
                 raise RuntimeError(f"--fail-at-step {step}: rank {env.rank} fails on purpose (attempt {attempt})")
@@ -107,37 +92,41 @@ def train(args, env):
             scheduler.step()
             loss_sum += loss.detach() * len(y)
             samples += len(y)
-            if args.checkpoint_dir and step % args.checkpoint_every == 0 and i + 1 < steps_per_epoch:
-                save(args, step, epoch, i + 1, net, optimizer, scheduler, clock.history)
+            if args.checkpoint_dir and step % args.checkpoint_every == 0 and i + 1 < len(train_iter):
+                save(args, step, epoch, i + 1, net, optimizer, scheduler, history.rows)
         batch_in_epoch = 0
-        clock.finish(epoch + 1, net, loss_sum, samples, test_iter, step=step, attempt=attempt)
+        history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter, step=step, attempt=attempt)
         if args.checkpoint_dir and (step % args.checkpoint_every == 0 or epoch + 1 == args.epochs):
-            save(args, step, epoch + 1, 0, net, optimizer, scheduler, clock.history)  # the epoch's figures too
-    finish_run(net, clock, args, restarts=attempt, final_step=step, batch_size_per_process=args.batch_size,
+            save(args, step, epoch + 1, 0, net, optimizer, scheduler, history.rows)  # the epoch's figures too
+    finish_run(net, history, args, restarts=attempt, final_step=step, batch_size_per_process=args.batch_size,
                nodes=len({node for node, _, _ in where}))
 
 
 def save(args, step, epoch, batch_in_epoch, net, optimizer, scheduler, history):
     """Call on every rank: all of them hand in their RNG state, global rank 0 alone writes, all wait for it."""
+    # BEGIN LAB: save: write the checkpoint from global rank 0
+    # All ranks gather the RNG states (a collective); rank 0 alone writes model, optimizer, scheduler, epoch, step,
+    # batch_in_epoch, rng and history (write_verified, step_checkpoint_file), then prunes; all meet at a barrier.
     rng = gather_rng_states()  # a collective, so it runs on every rank, never inside `if is_main()`
     if is_main():  # global rank 0, not local rank 0: that would be one writer per node, racing on shared storage
         state = {"model": unwrap(net).state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
                  "batch_in_epoch": batch_in_epoch, "rng": rng, "history": history}
-        write_verified(checkpoint_path(args.checkpoint_dir, step), state)
+        write_verified(step_checkpoint_file(args.checkpoint_dir, step), state)
         prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
-    if dist.is_initialized():
-        dist.barrier()  # nobody runs ahead (and could crash) before the checkpoint is on disk
+    dist.barrier()  # nobody runs ahead (and could crash) before the checkpoint is on disk
+    # END LAB
 
 
 def resume(folder, env, net, optimizer, scheduler):
-    """Load the newest valid checkpoint in ``folder`` on every rank; return (epoch, step, batch in epoch, history).
-
-    Global rank 0 picks the file and tells the others, so that every rank loads the same step.
-    """
+    """Load the newest valid checkpoint in ``folder`` on every rank, the one that global rank 0 picked; return
+    (epoch, step, batch in epoch, history), or (0, 0, 0, []) without one."""
+    # BEGIN LAB: resume: load the newest valid checkpoint on every rank
+    # Rank 0 picks newest_valid_checkpoint(folder, log=print0) and broadcasts its path (broadcast_object_list);
+    # every rank reads it (read_verified), loads model, optimizer, scheduler and its own RNG state (another world
+    # size: set_seed(step, rank)) and prints "resumed from PATH: epoch E, step S, batch B of the epoch" on rank 0.
     choice = [str(newest_valid_checkpoint(folder, log=print0) or "") if folder and is_main() else ""]
-    if dist.is_initialized():
-        dist.broadcast_object_list(choice, src=0)
+    dist.broadcast_object_list(choice, src=0)
     if not choice[0]:
         return 0, 0, 0, []
     state = read_verified(choice[0], map_location=env.device)
@@ -152,6 +141,7 @@ def resume(folder, env, net, optimizer, scheduler):
     print0(f"resumed from {choice[0]}: epoch {state['epoch']}, step {state['step']}, "
            f"batch {state['batch_in_epoch']} of the epoch")
     return state["epoch"], state["step"], state["batch_in_epoch"], state["history"]
+    # END LAB
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ PyTorch's own, then timed against a naive allreduce and ``dist.all_reduce`` over
     torchrun --standalone --nproc_per_node=4 solutions/07_ring_allreduce.py --plot runs/allreduce.png  # CPU (gloo)
     torchrun --standalone --nproc_per_node=4 solutions/07_ring_allreduce.py --sizes 1M 64M 256M  # 4 GPUs (NCCL)
 
-The implementations are in ``common/collectives.py`` (lesson 01 shows them in full); the lab version of this
-file asks you to write ``ring_all_reduce`` and ``all_reduce_gradients`` yourself.
+``ring_all_reduce`` and ``all_reduce_gradients`` are written out in ``common/collectives.py`` (lesson 01 shows
+them in full); ``labs/07_ring_allreduce.py`` leaves them to you.
 
 Figures follow nccl-tests' definitions, so they compare with what ``all_reduce_perf`` prints:
 - algorithm bandwidth, algbw = S / t, for a tensor of S bytes that took t seconds;
@@ -16,34 +16,55 @@ t is the median over iterations of the slowest rank's time.
 
 import argparse
 import statistics
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.cli import parse_size
-from common.collectives import all_reduce_gradients, naive_all_reduce, ring_all_reduce
-from common.distributed import print0, set_seed, setup_distributed, teardown_distributed
+from common.cli import parse_size, positive_int
+from common.collectives import naive_all_reduce
+# BEGIN LAB: the ring allreduce
+# N chunks; N-1 reduce-scatter steps (send a chunk to the right, add the left neighbour's partial sum of
+# another), then N-1 all-gather steps. exchange() sends and receives at once: blocking sends would deadlock.
+from common.collectives import ring_all_reduce  # isort: skip
+# END LAB
+# BEGIN LAB: one-bucket gradient averaging
+# Flatten every p.grad into one tensor, all-reduce it, divide by the world size, and copy the slices back
+# into the p.grad tensors in place (the optimizer holds them).
+from common.collectives import all_reduce_gradients  # isort: skip
+# END LAB
+from common.distributed import BACKENDS, is_main, print0, process_group, set_seed
+from common.metrics import slowest_rank_seconds
 from common.models import LeNet
+from common.reports import plot_bus_bandwidth
 
 ALGORITHMS = {"naive": naive_all_reduce, "ring": ring_all_reduce, "dist.all_reduce": dist.all_reduce}
-def time_all_reduce(all_reduce, tensor: torch.Tensor, iterations: int, warmup: int = 2) -> float:
-    """Median seconds per call, each call timed as the slowest rank saw it."""
-    times = []
-    for i in range(warmup + iterations):
-        dist.barrier()  # start together, so one rank's lateness is not billed to the collective
-        start = time.perf_counter()
-        all_reduce(tensor)
-        if tensor.is_cuda:
-            torch.cuda.synchronize()  # GPU work is asynchronous: wait for it before reading the clock
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=tensor.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            times.append(elapsed.item())
-    return statistics.median(times)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["4K", "64K", "1M", "16M"], help="bytes, e.g. 4K 16M 1G")
+    parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS), default=list(ALGORITHMS))
+    parser.add_argument("--iterations", type=positive_int, default=10)
+    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    parser.add_argument("--plot", help="write a bus-bandwidth plot (PNG) here")
+    return parser.parse_args(argv)
+
+
+def main(args):
+    with process_group(args.backend) as env:
+        print0(f"{env.world_size} processes, backend {env.backend}, device {env.device.type}")
+        results_match = check(env)
+        print0(f"ring and naive allreduce equal dist.all_reduce, one-bucket gradients equal DDP's: {results_match}")
+        if not results_match:
+            raise SystemExit("error: the hand-made allreduce gives different results; fix it before timing it")
+        rows = measure(args, env)
+        if args.plot and is_main():
+            plot_bus_bandwidth(rows, args.plot, f"allreduce, {env.world_size} processes, {env.backend} on "
+                               f"{env.device.type}")
+            print0(f"plot written to {args.plot}")
 
 
 def check(env) -> bool:
@@ -62,7 +83,7 @@ def check(env) -> bool:
     for name in ("ddp", "one bucket"):
         set_seed(0)
         model = LeNet().to(env.device)
-        net = DDP(model, device_ids=[env.device] if env.device.type == "cuda" else None) if name == "ddp" else model
+        net = DDP(model, device_ids=env.device_ids) if name == "ddp" else model
         F.cross_entropy(net(X), y).backward()
         if name == "one bucket":
             all_reduce_gradients(model, ring_all_reduce)
@@ -73,59 +94,26 @@ def check(env) -> bool:
     return bool(verdict)
 
 
-def main(args):
-    env = setup_distributed(args.backend)
-    try:
-        rows = []
-        print0(f"{env.world_size} processes, backend {env.backend}, device {env.device.type}")
-        results_match = check(env)
-        print0(f"ring and naive allreduce equal dist.all_reduce, one-bucket gradients equal DDP's: {results_match}")
-        if not results_match:
-            raise SystemExit("error: the hand-made allreduce gives different results; fix it before timing it")
-        print0(f"{'size':>10} {'algorithm':>16} {'time (ms)':>10} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}")
-        for size in args.sizes:
-            tensor = torch.ones(max(1, parse_size(size) // 4), dtype=torch.float32, device=env.device)
-            for name in args.algorithms:
-                seconds = time_all_reduce(ALGORITHMS[name], tensor, args.iterations)
-                algbw = tensor.numel() * tensor.element_size() / seconds / 1e9
-                busbw = algbw * 2 * (env.world_size - 1) / env.world_size
-                rows.append({"size": size, "algorithm": name, "seconds": seconds, "algbw": algbw, "busbw": busbw})
-                print0(f"{size:>10} {name:>16} {seconds * 1e3:>10.3f} {algbw:>13.3f} {busbw:>13.3f}")
-                tensor.fill_(1.0)  # repeated sums grow the values; keep them finite
-        if args.plot and env.rank == 0:
-            plot(rows, args.plot, f"allreduce, {env.world_size} processes, {env.backend} on {env.device.type}")
-            print0(f"plot written to {args.plot}")
-    finally:
-        teardown_distributed()
+def measure(args, env) -> list[dict]:
+    """Time every algorithm on every size; print a table row each, and return the rows."""
+    rows = []
+    print0(f"{'size':>10} {'algorithm':>16} {'time (ms)':>10} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}")
+    for size in args.sizes:
+        tensor = torch.ones(max(1, parse_size(size) // 4), dtype=torch.float32, device=env.device)
+        for name in args.algorithms:
+            seconds = time_all_reduce(ALGORITHMS[name], tensor, args.iterations)
+            algbw = tensor.numel() * tensor.element_size() / seconds / 1e9
+            busbw = algbw * 2 * (env.world_size - 1) / env.world_size
+            rows.append({"size": size, "algorithm": name, "seconds": seconds, "algbw": algbw, "busbw": busbw})
+            print0(f"{size:>10} {name:>16} {seconds * 1e3:>10.3f} {algbw:>13.3f} {busbw:>13.3f}")
+            tensor.fill_(1.0)  # repeated sums grow the values; keep them finite
+    return rows
 
 
-def plot(rows, path, title):
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4))
-    for name in dict.fromkeys(row["algorithm"] for row in rows):
-        mine = [row for row in rows if row["algorithm"] == name]
-        axes.plot([parse_size(row["size"]) for row in mine], [row["busbw"] for row in mine], marker="o", label=name)
-    axes.set(xscale="log", xlabel="tensor size (bytes)", ylabel="bus bandwidth (GB/s)", title=title)
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-
-
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=["4K", "64K", "1M", "16M"], help="bytes, e.g. 4K 16M 1G")
-    parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS), default=list(ALGORITHMS))
-    parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto")
-    parser.add_argument("--plot", help="write a bus-bandwidth plot (PNG) here")
-    return parser.parse_args()
+def time_all_reduce(all_reduce, tensor: torch.Tensor, iterations: int, warmup: int = 2) -> float:
+    """Median seconds per call, each call timed as the slowest rank saw it; the first ``warmup`` calls untimed."""
+    times = [slowest_rank_seconds(lambda: all_reduce(tensor), tensor.device) for _ in range(warmup + iterations)]
+    return statistics.median(times[warmup:])
 
 
 if __name__ == "__main__":

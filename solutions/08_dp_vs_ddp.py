@@ -16,22 +16,26 @@ On CPUs, memory is each process's peak resident memory (Python and PyTorch inclu
 
 import argparse
 import gc
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import write_json
 from common.cli import non_negative_int, positive_int
-from common.distributed import BACKENDS, print0, set_seed, setup_distributed, teardown_distributed
-from common.metrics import memory_kind, peak_memory_mib, reset_peak_memory, synchronize
+from common.data import NUM_CLASSES
+from common.distributed import BACKENDS, is_main, print0, process_group, set_seed
+from common.memory import memory_kind, peak_memory_mib
+# BEGIN LAB: the timing loop
+# Train on every (X, y) (cross-entropy, zero_grad, backward, step). After `warmup_steps` steps, synchronize and
+# reset_peak_memory each of `device` and `other_devices`, then start the clock (time.perf_counter()). Count
+# the timed steps and samples; with none, raise ValueError("... no step to time ..."). At the end synchronize
+# the devices again, then read the clock and peak_memory_mib(device).
+from common.metrics import time_training_steps  # isort: skip
+# END LAB
 from common.models import MODELS
-
-NUM_CLASSES = 10
+from common.reports import describe_comparison, write_comparison
 
 
 def parse_args(argv=None):
@@ -41,9 +45,8 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=positive_int, default=64,
                         help="per device: the global batch is this times the number of processes")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed training steps per mode")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=3,
-                        help="untimed steps first: first allocations, library handles created on first use, "
-                             "DDP's one-time bucket rebuild (in its second step)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=3, help="untimed steps first: first "
+                        "allocations, library handles created on first use, DDP's bucket rebuild (in its step 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: NCCL if every process has a GPU")
     parser.add_argument("--results-dir", type=Path, default=Path("runs/08_dp_vs_ddp"),
@@ -52,11 +55,8 @@ def parse_args(argv=None):
 
 
 def main(args):
-    env = setup_distributed(args.backend)
-    try:
+    with process_group(args.backend) as env:
         compare(args, env)
-    finally:
-        teardown_distributed()
 
 
 def compare(args, env):
@@ -71,10 +71,10 @@ def compare(args, env):
 
     ddp = measure_ddp(model_class, X.chunk(env.world_size)[env.rank], y.chunk(env.world_size)[env.rank], args, env)
     results = [ddp]
-    print0(describe(ddp))
+    print0(describe_comparison(ddp))
 
     dist.barrier()  # DDP is done everywhere; from here on rank 0 works alone, so no more collectives
-    if env.rank != 0:
+    if not is_main():
         return
     skipped = dataparallel_unavailable(env)
     if skipped:
@@ -84,9 +84,11 @@ def compare(args, env):
         torch.cuda.empty_cache()
         dp = measure_dataparallel(model_class, X, y, list(range(env.world_size)), args)
         results.append(dp)
-        print(describe(dp))
+        print(describe_comparison(dp))
         print(f"DDP / DataParallel: {ddp['samples_per_second'] / dp['samples_per_second']:.2f}x the samples/s")
-    write_results(args.results_dir, results, skipped, args, env)
+    setting = {"model": args.model, "batch_size_per_device": args.batch_size, "global_batch_size": global_batch,
+               "steps": args.steps, "warmup_steps": args.warmup_steps, "backend": env.backend}
+    write_comparison(args.results_dir, results, skipped, setting, f"{env.backend} on {env.device.type}")
     print(f"table, figures and plot written to {args.results_dir}")
 
 
@@ -94,9 +96,9 @@ def measure_ddp(model_class, X, y, args, env) -> dict:
     """Train with DDP on this rank's slice of the global batch; global samples/s and every rank's peak memory."""
     set_seed(args.seed)
     model = model_class(num_classes=NUM_CLASSES).to(env.device)
-    net = DDP(model, device_ids=[env.device] if env.device.type == "cuda" else None)
+    net = DDP(model, device_ids=env.device_ids)
     X, y = X.to(env.device), y.to(env.device)
-    timing = measure(net, [(X, y)] * (args.warmup_steps + args.steps), env.device, args.warmup_steps)
+    timing = time_training_steps(net, [(X, y)] * (args.warmup_steps + args.steps), env.device, args.warmup_steps)
     # The slowest rank sets the pace: every step waits for every rank's gradients. The tensor lives on this
     # process's device: NCCL reduces CUDA tensors only, and a CPU tensor here stops a GPU run.
     seconds = torch.tensor(timing["seconds"], device=env.device)
@@ -121,98 +123,18 @@ def dataparallel_unavailable(env) -> str | None:
 def measure_dataparallel(model_class, X, y, device_ids, args) -> dict:
     """Train with ``nn.DataParallel`` on the whole global batch, one process driving every GPU."""
     set_seed(args.seed)
+    # BEGIN LAB: wrap the model in nn.DataParallel over `device_ids` and call it `net`
     # DataParallel wants the module on device_ids[0]; every forward replicates it from there to the others.
     net = nn.DataParallel(model_class(num_classes=NUM_CLASSES).to(f"cuda:{device_ids[0]}"), device_ids=device_ids)
+    # END LAB
     X, y = X.to(f"cuda:{device_ids[0]}"), y.to(f"cuda:{device_ids[0]}")  # the whole batch on GPU 0, as users do
     devices = [torch.device(f"cuda:{i}") for i in device_ids]
-    timing = measure(net, [(X, y)] * (args.warmup_steps + args.steps), devices[0], args.warmup_steps,
-                     other_devices=devices[1:])
+    timing = time_training_steps(net, [(X, y)] * (args.warmup_steps + args.steps), devices[0], args.warmup_steps,
+                                 other_devices=devices[1:])
     return {"mode": "DataParallel", "processes": 1, "devices": [str(device) for device in devices],
             "samples_per_second": timing["samples"] / timing["seconds"],
             "peak_memory_mib": [timing["peak_memory_mib"]] + [peak_memory_mib(d) for d in devices[1:]],
             "memory_kind": memory_kind(devices[0])}
-
-
-def measure(net, batches, device, warmup_steps: int, other_devices=()) -> dict:
-    """Train ``net`` with SGD on ``batches``; time the steps after the first ``warmup_steps``.
-
-    Returns ``{"seconds", "samples", "steps", "peak_memory_mib"}`` for the timed steps only; the peak memory is
-    ``device``'s, measured from the first timed step. The peak of each of ``other_devices`` is reset at the same
-    moment, so that ``peak_memory_mib(other)`` read afterwards covers the same steps.
-    """
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    net.train()
-    start, samples, steps = None, 0, 0
-    for step, (X, y) in enumerate(batches):
-        if step == warmup_steps:
-            for each in (device, *other_devices):
-                synchronize(each)  # CUDA is asynchronous: finish the warm-up before the clock starts
-                reset_peak_memory(each)  # every device's peak from the same step on, warm-up left out
-            start = time.perf_counter()
-        loss = F.cross_entropy(net(X), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if start is not None:
-            samples, steps = samples + len(y), steps + 1
-    if start is None:
-        raise ValueError(f"{len(batches)} batch(es) leave no step to time after {warmup_steps} warm-up step(s)")
-    for each in (device, *other_devices):
-        synchronize(each)  # the clock stops when the last kernel has run, not when Python queued it
-    return {"seconds": time.perf_counter() - start, "samples": samples, "steps": steps,
-            "peak_memory_mib": peak_memory_mib(device)}
-
-
-def describe(result: dict) -> str:
-    memory = ", ".join(f"{mib:,.0f}" for mib in result["peak_memory_mib"])
-    return (f"{result['mode']:>12}: {result['processes']} process(es) on {len(result['devices'])} device(s), "
-            f"{result['samples_per_second']:,.0f} samples/s, peak memory per device [{memory}] MiB "
-            f"({result['memory_kind']})")
-
-
-def write_results(folder: Path, results: list[dict], skipped: str | None, args, env) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    setting = {"model": args.model, "batch_size_per_device": args.batch_size,
-               "global_batch_size": args.batch_size * env.world_size, "steps": args.steps,
-               "warmup_steps": args.warmup_steps, "backend": env.backend, "torch_version": torch.__version__,
-               "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
-    write_json(folder / "results.json", {**setting, "results": results, "dataparallel_skipped": skipped})
-
-    lines = ["| mode | processes | devices | samples/s | peak memory per device (MiB) | memory measured as |",
-             "|---|---|---|---|---|---|"]
-    for r in results:
-        memory = ", ".join(f"{mib:,.0f}" for mib in r["peak_memory_mib"])
-        lines.append(f"| {r['mode']} | {r['processes']} | {', '.join(r['devices'])} | "
-                     f"{r['samples_per_second']:,.0f} | {memory} | {r['memory_kind']} |")
-    if skipped:
-        lines.append(f"\nDataParallel skipped: {skipped}")
-    (folder / "results.md").write_text("\n".join(lines) + "\n")
-    plot(results, folder / "results.png", f"{args.model}, global batch {setting['global_batch_size']}, "
-         f"{env.backend} on {env.device.type}", skipped)
-
-
-def plot(results: list[dict], path: Path, title: str, skipped: str | None) -> None:
-    from matplotlib.figure import Figure  # no pyplot: nothing to display, no global figure state
-
-    figure = Figure(figsize=(10, 3.8), layout="constrained")
-    speed_axes, memory_axes = figure.subplots(1, 2)
-    modes = [r["mode"] for r in results]
-    speed_axes.bar(modes, [r["samples_per_second"] for r in results], color=["tab:blue", "tab:orange"][:len(modes)])
-    if skipped:
-        speed_axes.bar(["DataParallel"], [0], color="tab:orange")
-        speed_axes.text(1, 0, "skipped:\nneeds 2+ GPUs", ha="center", va="bottom")
-    speed_axes.set(ylabel="samples/s", title="throughput")
-    width = 0.8 / len(results)
-    devices = max(len(r["peak_memory_mib"]) for r in results)
-    for i, r in enumerate(results):
-        positions = [device + (i - (len(results) - 1) / 2) * width for device in range(len(r["peak_memory_mib"]))]
-        memory_axes.bar(positions, r["peak_memory_mib"], width=width, label=r["mode"])
-    memory_axes.set_xticks(range(devices))
-    memory_axes.set(xlabel="device (DDP: the rank's device)", ylabel=f"MiB, {results[0]['memory_kind']}",
-                    title="peak memory per device")
-    memory_axes.legend(loc="lower right")
-    figure.suptitle(title)
-    figure.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

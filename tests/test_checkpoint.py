@@ -4,7 +4,6 @@ resumed through a fresh DDP wrapper against the uninterrupted one (real gloo gro
 The functions that run on the ranks live at module level, because spawned processes import them by name.
 """
 
-import json
 import pickle
 
 import pytest
@@ -14,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import checkpoint
-from common.checkpoint import atomic_write, load_checkpoint, save_checkpoint, unwrap, write_json
+from common.checkpoint import atomic_write, load_checkpoint, save_checkpoint, unwrap
 from common.distributed import set_seed
 from common.launch import run_on_ranks
 from common.models import LeNet
@@ -51,7 +50,6 @@ def test_only_global_rank_0_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "is_main", lambda: False)
     model, optimizer = trained_lenet(seed=0)
     save_checkpoint(tmp_path / "ckpt.pt", model, optimizer, epoch=1, step=1)
-    write_json(tmp_path / "metrics.json", {"a": 1})
     assert list(tmp_path.iterdir()) == []
 
 
@@ -79,12 +77,6 @@ def test_loading_refuses_a_checkpoint_that_would_run_code(tmp_path):
 
 class ArbitraryObject:
     """Stands for any pickled object: unpickling it could call any function."""
-
-
-def test_write_json_writes_indented_json_and_creates_the_folder(tmp_path):
-    write_json(tmp_path / "runs" / "metrics.json", {"accuracy": 0.5, "epochs": [1, 2]})
-    text = (tmp_path / "runs" / "metrics.json").read_text()
-    assert json.loads(text) == {"accuracy": 0.5, "epochs": [1, 2]} and "\n  " in text
 
 
 def save_then_load_everywhere(env, path):

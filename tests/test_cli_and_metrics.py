@@ -1,11 +1,13 @@
 import argparse
+import json
 
 import pytest
 import torch
 
 from common.cli import non_negative_int, positive_float, positive_int
 from common.distributed import DistEnv
-from common.metrics import run_summary
+from common import metrics
+from common.metrics import run_summary, write_json
 
 
 def test_number_types_accept_good_values_and_explain_bad_ones():
@@ -40,3 +42,15 @@ def test_run_summary_of_a_run_with_nothing_left_to_train_has_no_final_figures():
     summary = run_summary([], ENV)
     assert summary["final_test_accuracy"] is None and summary["samples_per_second"] is None
     assert summary["epochs_run"] == []
+
+
+def test_write_json_writes_indented_json_and_creates_the_folder(tmp_path):
+    write_json(tmp_path / "runs" / "metrics.json", {"accuracy": 0.5, "epochs": [1, 2]})
+    text = (tmp_path / "runs" / "metrics.json").read_text()
+    assert json.loads(text) == {"accuracy": 0.5, "epochs": [1, 2]} and "\n  " in text
+
+
+def test_only_global_rank_0_writes_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics, "is_main", lambda: False)
+    write_json(tmp_path / "metrics.json", {"a": 1})
+    assert list(tmp_path.iterdir()) == []

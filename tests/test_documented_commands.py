@@ -41,8 +41,8 @@ drill = load_script(REPO / "benchmarks" / "restart_drill.py")
 docstring_commands, joined_lines = drill.docstring_commands, drill.joined_lines
 
 LINKED = ("solutions", "labs", "scripts", "benchmarks", "common")
-# Appended where the script accepts them, to keep the runs short: one epoch of 2 steps, 2 timed steps, 1 round.
-QUICK = {"--epochs": "1", "--max-steps": "2", "--steps": "2", "--rounds": "1", "--iterations": "2"}
+# Appended where the script accepts them, to keep the runs short: one epoch of 2 batches, 2 timed steps, 1 round.
+QUICK = {"--epochs": "1", "--max-batches-per-epoch": "2", "--steps": "2", "--rounds": "1", "--iterations": "2"}
 TIMEOUT = 240  # seconds per command; the two-node fault drill, the slowest, takes about a minute on 2 cores
 
 FOUR_GPUS = "written for a machine with 4 GPUs (NCCL)"

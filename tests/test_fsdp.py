@@ -2,8 +2,8 @@
 
 Three process groups in all (world sizes 2, 1 and 4), each run once for the whole module: the world-size-2 run
 trains DDP, FSDP2 (both reshard modes) and ZeRO-1 side by side and saves a sharded checkpoint; the others load
-that checkpoint and measure what each rank holds. Sharding and checkpoints go through lesson 06's own functions,
-``shard_model``, ``save_checkpoint`` and ``load_checkpoint`` of ``solutions/03_fsdp.py``: what the script runs.
+that checkpoint and measure what each rank holds. Sharding goes through lesson 06's own ``shard_model`` of
+``solutions/03_fsdp.py``, checkpoints through ``common.fsdp``'s sharded save and load: what the script runs.
 """
 
 import pytest
@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.distributed import replicas_in_sync
 from common.fsdp import (SOLUTION, export_full_state_dict, force_sum_reduction, full_gradients, full_parameters,
-                         full_tensor, measure_model_state)
+                         full_tensor, load_sharded_checkpoint, measure_model_state, save_sharded_checkpoint)
 from common.launch import load_script, run_on_ranks
 from common.memory import training_state_bytes, zero_bytes_per_rank
 from common.models import DeepMLP, SimpleCNN
@@ -90,7 +90,7 @@ def side_by_side(env, checkpoint_dir):
     net = fsdp.shard_model(odd_model(), env, "full")
     optimizer = torch.optim.Adam(net.parameters(), lr=LR)
     train(net, optimizer, step_batches(env))
-    fsdp.save_checkpoint(checkpoint_dir / "sharded", net, optimizer, epoch=3, step=STEPS)
+    save_sharded_checkpoint(checkpoint_dir / "sharded", net, optimizer, epoch=3, step=STEPS)
     export_full_state_dict(checkpoint_dir / "full.pt", net)
     results["saved"] = full_parameters(net)
     results["saved_exp_avg"] = [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()]
@@ -103,10 +103,10 @@ def side_by_side(env, checkpoint_dir):
     F.cross_entropy(cnn(X), torch.zeros(4, dtype=torch.long)).backward()
     optimizer.step()
     results["batch_norm_trained"] = [buffer.clone() for buffer in cnn.buffers()]
-    fsdp.save_checkpoint(checkpoint_dir / "cnn", cnn, optimizer, epoch=1, step=1)
+    save_sharded_checkpoint(checkpoint_dir / "cnn", cnn, optimizer, epoch=1, step=1)
     torch.manual_seed(0)
     cnn = fsdp.shard_model(SimpleCNN(), env, "full")
-    fsdp.load_checkpoint(checkpoint_dir / "cnn", cnn, torch.optim.Adam(cnn.parameters(), lr=LR))
+    load_sharded_checkpoint(checkpoint_dir / "cnn", cnn, torch.optim.Adam(cnn.parameters(), lr=LR))
     results["batch_norm_loaded"] = [buffer.clone() for buffer in cnn.buffers()]
 
     zero_net = DDP(odd_model())
@@ -138,7 +138,7 @@ def reload_and_measure(env, checkpoint_dir):
     fsdp = load_script(SOLUTION)
     net = fsdp.shard_model(odd_model(), env, "full")  # a fresh model: its own initial weights, no Adam state
     optimizer = torch.optim.Adam(net.parameters(), lr=LR)
-    progress = fsdp.load_checkpoint(checkpoint_dir / "sharded", net, optimizer)
+    progress = load_sharded_checkpoint(checkpoint_dir / "sharded", net, optimizer)
     big, zero = zero1_step_on_the_big_model(env)
     return {"progress": progress, "parameters": full_parameters(net),
             "exp_avg": [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()],

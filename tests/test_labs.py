@@ -1,8 +1,8 @@
-"""Every lab is a starter: it has a solution and lab tests, and it still fails them (no solution leaked)."""
+"""Every lab is a starter, written from its solution: it has lab tests, and it still fails them (no solution leaked)."""
 
 import pytest
 
-from tests.conftest import PYTHON, REPO, run_command
+from tests.conftest import PYTHON, REPO, load_script, run_command
 
 LABS = sorted(path.stem for path in (REPO / "labs").glob("*.py"))
 
@@ -25,3 +25,39 @@ def test_the_starter_still_fails_its_lab_tests(name):
                       timeout=600, env_extra={"LAB_TARGET": "labs"})
     assert run.returncode == 1, run.output  # 1: tests ran and some failed
     assert "NotImplementedError" in run.output and " failed" in run.stdout
+
+
+def test_the_labs_are_what_make_labs_writes_from_the_solutions():
+    # A solution marks what its lab leaves to the student (# BEGIN LAB / # END LAB); labs/ is generated from them.
+    run = run_command([PYTHON, "scripts/make_labs.py", "--check"], timeout=60)
+    assert run.returncode == 0, run.output
+
+
+def test_make_labs_replaces_a_marked_part_with_a_todo_and_a_marked_import_with_a_stub(tmp_path, monkeypatch):
+    make_labs = load_script(REPO / "scripts" / "make_labs.py")
+    solution = tmp_path / "99_demo.py"
+    solution.write_text('''"""Lab 99: a demo.
+
+More text.
+"""
+
+from common.cli import positive_int
+# BEGIN LAB: write it yourself
+from common.cli import parse_size  # isort: skip
+# END LAB
+
+
+def double(x):
+    """Twice x."""
+    # BEGIN LAB: double x
+    # Add x to itself.
+    return x + x
+    # END LAB
+''')
+    lab = make_labs.make_lab(solution)
+    assert "- ``parse_size``: write it yourself\n- in ``double``: double x\n" in lab
+    assert "tests/labs/test_99_demo.py" in lab and "More text." in lab
+    assert "return x + x" not in lab and "from common.cli import parse_size" not in lab
+    assert '    # TODO: double x\n    # Add x to itself.\n    raise NotImplementedError("TODO: double x")\n' in lab
+    assert "def parse_size(text: str) -> int:" in lab and 'raise NotImplementedError("TODO: parse_size")' in lab
+    assert "from common.cli import UNITS" in lab  # what the finished parse_size uses

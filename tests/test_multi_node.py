@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from common.debugging import collective_mistakes
-from common.fault_tolerance import (CorruptCheckpoint, checkpoint_path, list_checkpoints, newest_valid_checkpoint,
-                                    prune_checkpoints, read_verified, rng_state, set_rng_state, write_verified)
+from common.fault_tolerance import (CorruptCheckpoint, list_checkpoints, newest_valid_checkpoint, prune_checkpoints,
+                                    read_verified, rng_state, set_rng_state, step_checkpoint_file, write_verified)
 from common.launch import run_on_ranks
 from tests.conftest import PYTHON, REPO, TORCHRUN, run_command
 
@@ -24,7 +24,7 @@ def state(step):
 
 
 def test_a_verified_checkpoint_round_trips_and_a_flipped_byte_is_caught_by_the_digest(tmp_path):
-    path = checkpoint_path(tmp_path, 3)
+    path = step_checkpoint_file(tmp_path, 3)
     write_verified(path, state(3))
     assert path.name == "step_00000003.pt" and torch.equal(read_verified(path)["model"]["w"], state(3)["model"]["w"])
     data = bytearray(path.read_bytes())
@@ -37,19 +37,19 @@ def test_a_verified_checkpoint_round_trips_and_a_flipped_byte_is_caught_by_the_d
 
 def test_the_newest_valid_checkpoint_skips_truncated_and_unfinished_ones(tmp_path):
     for step in (10, 20, 30, 40):
-        write_verified(checkpoint_path(tmp_path, step), state(step))
-    newest, unfinished = checkpoint_path(tmp_path, 40), checkpoint_path(tmp_path, 30)
+        write_verified(step_checkpoint_file(tmp_path, step), state(step))
+    newest, unfinished = step_checkpoint_file(tmp_path, 40), step_checkpoint_file(tmp_path, 30)
     newest.write_bytes(newest.read_bytes()[:100])  # truncated
     (tmp_path / f"{unfinished.name}.sha256").unlink()  # killed between the file and its digest
     skipped = []
-    assert newest_valid_checkpoint(tmp_path, log=skipped.append) == checkpoint_path(tmp_path, 20)
+    assert newest_valid_checkpoint(tmp_path, log=skipped.append) == step_checkpoint_file(tmp_path, 20)
     assert len(skipped) == 2 and "no digest" in skipped[1]
     assert newest_valid_checkpoint(tmp_path / "missing") is None
 
 
 def test_pruning_keeps_the_newest_and_ignores_temporary_files(tmp_path):
     for step in (1, 2, 3):
-        write_verified(checkpoint_path(tmp_path, step), state(step))
+        write_verified(step_checkpoint_file(tmp_path, step), state(step))
     (tmp_path / ".step_00000004.pt.abc.tmp").write_bytes(b"half")
     assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000003.pt", "step_00000002.pt",
                                                                   "step_00000001.pt"]
@@ -61,8 +61,9 @@ def test_pruning_keeps_the_newest_and_ignores_temporary_files(tmp_path):
 
 @pytest.mark.parametrize("map_location", [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the scripts "
-                                                  "load checkpoints onto their device, RNG states included")),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a GPU: the scripts load checkpoints onto their device, RNG "
+                                              "states included")]),
 ])
 def test_rng_states_survive_a_weights_only_checkpoint(tmp_path, map_location):
     import random
@@ -98,13 +99,13 @@ def test_torch_load_refuses_arbitrary_objects_by_default_and_an_explicit_weights
 
 WRITER = """
 import sys, torch
-from common.fault_tolerance import checkpoint_path, write_verified
+from common.fault_tolerance import step_checkpoint_file, write_verified
 folder = sys.argv[1]
 step = 0
 print("started", flush=True)
 while True:
     step += 1
-    write_verified(checkpoint_path(folder, step), {"w": torch.full((4_000_000,), float(step)), "step": step})
+    write_verified(step_checkpoint_file(folder, step), {"w": torch.full((4_000_000,), float(step)), "step": step})
 """
 
 

@@ -13,10 +13,14 @@ import subprocess
 import pytest
 import torch
 
-from tests.conftest import NO_NETWORK, PYTHON, REPO, TORCHRUN, lab_path, load_script, run_command, torchrun
+from tests.conftest import NO_NETWORK, PYTHON, REPO, TORCHRUN, lab_path, run_command, torchrun
 from tests.fake_datasets import write_fashion_mnist
+from tests.labs import load_lab
 
-SCRIPT = lab_path("01_ddp_basic")
+LAB = "01_ddp_basic"
+SCRIPT = lab_path(LAB)  # most tests run it with torchrun, as the README does
+# What these tests call in the script itself: parse_args(argv) -> args, and main(args), in this process.
+NEEDS = ("parse_args", "main")
 # Over seeds 0-3 on a 2-core CPU, 5 epochs on digits with 2 processes reach 94.4-97.5% test accuracy; one
 # epoch reaches 45-66% and chance is 10%. 85% fails a run that stops learning, without flaking.
 MIN_ACCURACY = 0.85
@@ -89,10 +93,10 @@ def test_a_resumed_run_is_bit_identical_without_dropout_and_a_different_run_with
     # The checkpoint holds no RNG state: a resumed run draws its dropout masks from set_seed(seed, rank) again,
     # the masks of the run's first steps, not those the uninterrupted run draws next. In-process, a world of one,
     # on Fashion-MNIST files of 64 + 16 images (a test set that small keeps each epoch's evaluation cheap).
-    lab = load_script(SCRIPT)
+    lab = load_lab(LAB, NEEDS)
     write_fashion_mnist(tmp_path / "data", train_size=64, test_size=16)
     quick = ["--dataset", "fashion-mnist", "--data-dir", str(tmp_path / "data"), "--num-workers", "0",
-             "--model", model, "--batch-size", "16", "--max-steps", "2", "--lr", "0.01"]
+             "--model", model, "--batch-size", "16", "--max-batches-per-epoch", "2", "--lr", "0.01"]
 
     def final_state(folder, *extra):
         lab.main(lab.parse_args([*quick, "--checkpoint-dir", str(folder), *extra]))
@@ -107,18 +111,19 @@ def test_a_resumed_run_is_bit_identical_without_dropout_and_a_different_run_with
 
 @pytest.mark.parametrize("nproc", [1, 3, 4])
 def test_any_number_of_processes_from_1_to_4(tmp_path, nproc):
-    run = torchrun(SCRIPT, "--dataset", "digits", "--epochs", "1", "--max-steps", "2", "--batch-size", "16",
-                   "--metrics-file", tmp_path / "m.json", nproc=nproc)
+    run = torchrun(SCRIPT, "--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "2",
+                   "--batch-size", "16", "--metrics-file", tmp_path / "m.json", nproc=nproc)
     assert run.returncode == 0, run.output
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["world_size"] == nproc and metrics["global_batch_size"] == 16 * nproc
-    assert metrics["history"][0]["samples"] == 2 * 16 * nproc  # --max-steps 2 on every rank
+    assert metrics["history"][0]["samples"] == 2 * 16 * nproc  # --max-batches-per-epoch 2 on every rank
     assert metrics["replicas_in_sync"] is True
 
 
 def test_plain_python_runs_as_a_world_of_one(tmp_path):
     run = run_command([PYTHON, SCRIPT, "--dataset", "synthetic", "--model", "simplecnn", "--epochs", "1",
-                       "--max-steps", "2", "--batch-size", "8", "--metrics-file", tmp_path / "m.json"], timeout=120)
+                       "--max-batches-per-epoch", "2", "--batch-size", "8", "--metrics-file", tmp_path / "m.json"],
+                      timeout=120)
     assert run.returncode == 0, run.output
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["world_size"] == 1 and metrics["model"] == "simplecnn" and metrics["history"][0]["samples"] == 16
@@ -181,7 +186,7 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
 
 def test_two_standalone_runs_at_once_do_not_collide():
     command = [TORCHRUN, "--standalone", "--nproc_per_node=2", SCRIPT, "--dataset", "digits", "--epochs", "1",
-               "--max-steps", "2"]
+               "--max-batches-per-epoch", "2"]
     runs = [subprocess.Popen([str(part) for part in command], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     try:

@@ -12,13 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.collectives import AllreduceCounter
+from common.collectives import AllReduceCounter
 from common.distributed import set_seed
 from common.launch import run_on_ranks
 from common.models import LeNet
-from tests.conftest import PYTHON, REPO, lab_path, load_script, run_command, torchrun
+from tests.conftest import PYTHON, REPO, lab_path, run_command, torchrun
+from tests.labs import load_lab
 
 LAB = "02_gradient_accumulation"
+# What these tests call in the script: train_one_epoch(net, batches, optimizer, scheduler, accum_steps, device,
+# clip_grad_norm=None) -> (summed loss, samples, optimizer steps); the rest they run through its command line.
+NEEDS = ("train_one_epoch",)
 MICRO_BATCH, LR = 4, 0.1
 
 
@@ -34,19 +38,19 @@ def rank_micro_batches(X, y, rank, world_size):
     return chunks[rank::world_size]
 
 
-def accumulate(env, path, accum_steps, micro_batches, clip_grad_norm):
-    lab = load_script(path)
+def accumulate(env, accum_steps, micro_batches, clip_grad_norm):
+    lab = load_lab(LAB, NEEDS)
     X, y = samples(micro_batches * env.world_size * MICRO_BATCH)
     set_seed(0)
     net = DDP(LeNet())
-    counter = AllreduceCounter.attach(net)
+    counter = AllReduceCounter.attach(net)
     sent_before_micro_step = []
     net.register_forward_pre_hook(lambda module, args: sent_before_micro_step.append(counter.calls))
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     batches = rank_micro_batches(X, y, env.rank, env.world_size)
     loss_sum, count, steps = lab.train_one_epoch(net, batches, optimizer, scheduler, accum_steps, env.device,
-                                                 num_batches=len(batches), clip_grad_norm=clip_grad_norm)
+                                                 clip_grad_norm=clip_grad_norm)
     sends = [after - before
              for before, after in zip(sent_before_micro_step, sent_before_micro_step[1:] + [counter.calls])]
     return {"params": [p.detach() for p in net.parameters()], "steps": steps, "samples": count,
@@ -70,7 +74,7 @@ def reference(groups, clip_grad_norm=None):
 def test_four_micro_steps_on_two_ranks_equal_one_step_on_the_whole_effective_batch():
     X, y = samples(4 * 2 * MICRO_BATCH)
     expected = reference([(X, y)])
-    for rank in run_on_ranks(accumulate, 2, str(lab_path(LAB)), 4, 4, None, timeout=120):
+    for rank in run_on_ranks(accumulate, 2, 4, 4, None, timeout=120):
         torch.testing.assert_close(rank["params"], expected)
         assert rank["steps"] == 1 and rank["samples"] == 4 * MICRO_BATCH
         # no_sync: the first three micro-steps send nothing, the last one all-reduces
@@ -82,7 +86,7 @@ def test_the_shorter_last_group_of_an_epoch_takes_its_own_step():
     X, y = samples(6 * 2 * MICRO_BATCH)
     first = 4 * 2 * MICRO_BATCH
     expected = reference([(X[:first], y[:first]), (X[first:], y[first:])])
-    for rank in run_on_ranks(accumulate, 2, str(lab_path(LAB)), 4, 6, None, timeout=120):
+    for rank in run_on_ranks(accumulate, 2, 4, 6, None, timeout=120):
         torch.testing.assert_close(rank["params"], expected)
         assert rank["steps"] == 2
         assert [sends > 0 for sends in rank["sends"]] == [False, False, False, True, False, True]
@@ -92,7 +96,7 @@ def test_clipping_acts_on_the_gradient_averaged_over_micro_steps_and_ranks():
     X, y = samples(2 * 2 * MICRO_BATCH)
     expected = reference([(X, y)], clip_grad_norm=0.05)
     unclipped = reference([(X, y)])
-    for rank in run_on_ranks(accumulate, 2, str(lab_path(LAB)), 2, 2, 0.05, timeout=120):
+    for rank in run_on_ranks(accumulate, 2, 2, 2, 0.05, timeout=120):
         torch.testing.assert_close(rank["params"], expected)
         assert not torch.allclose(rank["params"][0], unclipped[0])  # the clip did bite
 

@@ -18,9 +18,14 @@ from common.fsdp import full_parameters, full_tensor
 from common.launch import run_on_ranks
 from common.memory import local_bytes
 from common.models import DeepMLP
-from tests.conftest import PYTHON, lab_path, load_script, run_command, torchrun
+from tests.conftest import PYTHON, lab_path, run_command, torchrun
+from tests.labs import load_lab
 
 LAB = "03_fsdp"
+# What these tests call in the script: shard_model(model, env, sharding, precision) -> the model to train;
+# save_sharded_checkpoint(path, net, optimizer, epoch, step) and load_sharded_checkpoint(path, net, optimizer)
+# -> {"epoch", "step"}; parse_args(argv) and train(args, env), in a process group of the tests' own.
+NEEDS = ("shard_model", "save_sharded_checkpoint", "load_sharded_checkpoint", "parse_args", "train")
 WIDTH, DEPTH, STEPS, LR = 37, 2, 3, 0.01
 
 
@@ -39,8 +44,8 @@ def train(net, optimizer, env):
         optimizer.step()
 
 
-def shard_train_and_checkpoint(env, path, checkpoint_dir):
-    lab = load_script(path)
+def shard_train_and_checkpoint(env, checkpoint_dir):
+    lab = load_lab(LAB, NEEDS)
     results, X = {}, torch.randn(4, 1, 28, 28)
     for sharding in ("none", "full", "grad-op"):
         net, optimizer = build(lab, env, sharding)
@@ -59,15 +64,15 @@ def shard_train_and_checkpoint(env, path, checkpoint_dir):
 
     net, optimizer = build(lab, env, "full")
     train(net, optimizer, env)
-    lab.save_checkpoint(checkpoint_dir / "epoch-0001", net, optimizer, 1, STEPS)
+    lab.save_sharded_checkpoint(checkpoint_dir / "epoch-0001", net, optimizer, 1, STEPS)
     results["saved"] = full_parameters(net) + [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()]
     fresh, fresh_optimizer = build(lab, env, "full")
-    results["progress"] = lab.load_checkpoint(checkpoint_dir / "epoch-0001", fresh, fresh_optimizer)
+    results["progress"] = lab.load_sharded_checkpoint(checkpoint_dir / "epoch-0001", fresh, fresh_optimizer)
     results["loaded"] = (full_parameters(fresh)
                          + [full_tensor(fresh_optimizer.state[p]["exp_avg"]) for p in fresh.parameters()])
 
     # The script's own training, in this process group: 2 epochs straight, and 1 epoch then a run that resumes
-    for model, quick in (("mlp", []), ("simplecnn", ["--batch-size", "16", "--max-steps", "2"])):
+    for model, quick in (("mlp", []), ("simplecnn", ["--batch-size", "16", "--max-batches-per-epoch", "2"])):
         for name, epochs, resume in (("straight", 2, []), ("stopped", 1, []), ("stopped", 2, ["--resume"])):
             lab.train(lab.parse_args(["--dataset", "digits", "--model", model, "--epochs", str(epochs), *quick,
                                       "--checkpoint-dir", str(checkpoint_dir / model / name), *resume]), env)
@@ -77,7 +82,7 @@ def shard_train_and_checkpoint(env, path, checkpoint_dir):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     checkpoint_dir = tmp_path_factory.mktemp("lab03")
-    return checkpoint_dir, run_on_ranks(shard_train_and_checkpoint, 2, str(lab_path(LAB)), checkpoint_dir, timeout=240)
+    return checkpoint_dir, run_on_ranks(shard_train_and_checkpoint, 2, checkpoint_dir, timeout=240)
 
 
 def checkpoint_contents(folder, tmp_path) -> dict:

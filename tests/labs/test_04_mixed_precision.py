@@ -16,9 +16,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.distributed import set_seed
 from common.launch import run_on_ranks
 from common.models import LeNet
-from tests.conftest import PYTHON, lab_path, load_script, run_command, torchrun
+from tests.conftest import PYTHON, lab_path, run_command, torchrun
+from tests.labs import load_lab
 
 LAB = "04_mixed_precision"
+# What these tests call in the script: train_one_epoch(net, batches, optimizer, scheduler, scaler, accum_steps,
+# device, precision, clip_grad_norm) -> (summed loss, samples, optimizer steps, skipped steps); the rest they run
+# through its command line.
+NEEDS = ("train_one_epoch",)
 MICRO_BATCH, LR, MAX_NORM = 4, 0.1, 0.05
 # Over seeds 0-3, 5 epochs on digits with 2 processes end with bf16 within 0.3 points of fp32 (94.4-97.5%);
 # single epochs differ by up to about 3 points along the way. 2 points (7 of 359 test images) is the stated margin.
@@ -50,9 +55,9 @@ def samples(count, seed=0):
     return torch.randn(count, 1, 28, 28, generator=generator), torch.randint(0, 10, (count,), generator=generator)
 
 
-def train_groups(env, path, precision, micro_batches, accum_steps, clip_grad_norm, init_scale, poison_rank=None):
+def train_groups(env, precision, micro_batches, accum_steps, clip_grad_norm, init_scale, poison_rank=None):
     """The lab's train_one_epoch on DDP over LeNet; ``poison_rank`` gets an inf pixel in its first micro-batch."""
-    lab = load_script(path)
+    lab = load_lab(LAB, NEEDS)
     X, y = samples(micro_batches * env.world_size * MICRO_BATCH)
     batches = list(zip(X.split(MICRO_BATCH), y.split(MICRO_BATCH)))[env.rank::env.world_size]
     if env.rank == poison_rank:
@@ -69,28 +74,27 @@ def train_groups(env, path, precision, micro_batches, accum_steps, clip_grad_nor
     optimizer.register_step_pre_hook(lambda *_: norms_at_step.append(
         float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm())))
     _, count, steps, skipped = lab.train_one_epoch(net, batches, optimizer, scheduler, scaler, accum_steps,
-                                                   env.device, num_batches=len(batches), precision=precision,
-                                                   clip_grad_norm=clip_grad_norm)
+                                                   env.device, precision=precision, clip_grad_norm=clip_grad_norm)
     return {"before": before, "after": [p.detach() for p in net.parameters()], "steps": steps, "skipped": skipped,
             "samples": count, "scale": scaler.get_scale(), "calls": dict(scaler.calls), "norms": norms_at_step,
             "scheduler_steps": scheduler.last_epoch, "logits_dtypes": sorted(logits_dtypes)}
 
 
-def lab_cases(env, path):
+def lab_cases(env):
     return {
         # Rank 1's inf enters in a no_sync micro-step; the last micro-step's allreduce carries it to rank 0.
-        "inf": train_groups(env, path, "fp16", 2, 2, None, 2.0**16, poison_rank=1),
+        "inf": train_groups(env, "fp16", 2, 2, None, 2.0**16, poison_rank=1),
         # 6 micro-batches per rank, 4 per step: groups of 4 and 2. The initial scale is lowered from 2**16 so
         # that no fp16 overflow skips one of the only two steps.
-        "clipped": train_groups(env, path, "fp16", 6, 4, MAX_NORM, 2.0**12),
-        "bf16": train_groups(env, path, "bf16", 2, 2, None, 2.0**16),
+        "clipped": train_groups(env, "fp16", 6, 4, MAX_NORM, 2.0**12),
+        "bf16": train_groups(env, "bf16", 2, 2, None, 2.0**16),
     }
 
 
 @functools.cache
 def lab_runs():
     """Every case in one pair of processes: starting two interpreters takes seconds on 2 cores."""
-    return run_on_ranks(lab_cases, 2, str(lab_path(LAB)), timeout=120)
+    return run_on_ranks(lab_cases, 2, timeout=120)
 
 
 def reference(groups, scale=None):
@@ -172,8 +176,8 @@ def test_bf16_on_digits_reaches_the_accuracy_of_fp32_within_the_margin(tmp_path)
 
 def test_fp16_with_accumulation_and_clipping_runs_on_cpu_and_records_its_scale(tmp_path):
     metrics_file = tmp_path / "fp16.json"
-    run = torchrun(lab_path(LAB), "--dataset", "digits", "--epochs", "1", "--max-steps", "12", "--batch-size", "16",
-                   "--grad-accum-steps", "4", "--clip-grad-norm", "1.0", "--precision", "fp16",
+    run = torchrun(lab_path(LAB), "--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "12",
+                   "--batch-size", "16", "--grad-accum-steps", "4", "--clip-grad-norm", "1.0", "--precision", "fp16",
                    "--metrics-file", metrics_file, nproc=2, timeout=180)
     assert run.returncode == 0, run.output
     metrics = json.loads(metrics_file.read_text())

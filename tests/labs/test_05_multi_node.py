@@ -17,6 +17,7 @@ from tests.conftest import PYTHON, REPO, TORCHRUN, lab_path, run_command
 from tests.fake_datasets import write_fashion_mnist
 
 LAB = "05_multi_node"
+# What these tests need from the script: its command line only, run by torchrun and by the two-node rehearsal.
 REHEARSE = REPO / "scripts" / "rehearse_two_nodes.py"
 # 4 ranks x 32 per batch: 12 steps per epoch of digits, 24 in all; checkpoints at 4, 8, 12 (epoch end), ...
 TRAINING = ["--dataset", "digits", "--epochs", "2", "--batch-size", "32", "--checkpoint-every", "4"]
@@ -87,10 +88,11 @@ def test_a_crash_with_max_restarts_resumes_to_bit_identical_parameters(two_nodes
 #   from the global RNG, once more than the uninterrupted run had at that point.
 DROPOUT = ["--model", "simplecnn", "--batch-size", "8", "--lr", "0.01", "--checkpoint-every", "2"]
 RESUME_CASES = {
-    "digits-mid-epoch": (["--dataset", "digits", "--epochs", "1", "--max-steps", "4"], 3,
+    "digits-mid-epoch": (["--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "4"], 3,
                          "epoch 0, step 2, batch 2 of the epoch"),
     "fashion-mnist-epoch-boundary": (["--dataset", "fashion-mnist", "--data-dir", "{data}", "--num-workers", "2",
-                                      "--epochs", "2", "--max-steps", "2"], 3, "epoch 1, step 2, batch 0 of the epoch"),
+                                      "--epochs", "2", "--max-batches-per-epoch", "2"], 3,
+                                     "epoch 1, step 2, batch 0 of the epoch"),
 }
 
 
@@ -136,7 +138,8 @@ def test_without_restarts_a_failure_ends_every_process_promptly_and_names_the_ra
 
 def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(tmp_path):
     # A world of one (plain python), 3 steps per epoch: checkpoints at steps 2, 4 and 6 (the last two kept).
-    quick = ["--dataset", "digits", "--max-steps", "3", "--checkpoint-every", "2", "--checkpoint-dir", tmp_path]
+    quick = ["--dataset", "digits", "--max-batches-per-epoch", "3", "--checkpoint-every", "2",
+             "--checkpoint-dir", tmp_path]
     first = run_command([PYTHON, lab_path(LAB), *quick, "--epochs", "2"], timeout=120)
     assert first.returncode == 0, first.output
     assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000006.pt", "step_00000004.pt"]

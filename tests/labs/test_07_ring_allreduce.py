@@ -17,19 +17,23 @@ from common.collectives import naive_all_reduce
 from common.distributed import set_seed
 from common.launch import run_on_ranks
 from common.models import LeNet
-from tests.conftest import lab_path, load_script, torchrun
+from tests.conftest import lab_path, torchrun
+from tests.labs import load_lab
 
 LAB = "07_ring_allreduce"
+# What these tests call in the script: ring_all_reduce(tensor) -> the same tensor, summed over ranks in place;
+# all_reduce_gradients(model, all_reduce); parse_size(text) -> bytes. The timing runs through its command line.
+NEEDS = ("ring_all_reduce", "all_reduce_gradients", "parse_size")
 SIZES = (1, 3, 7, 1000, 1003)  # 1 and 3 leave some ring chunks empty at world size 4
 
 
 def test_sizes_read_with_binary_units():
-    parse_size = load_script(lab_path(LAB)).parse_size
+    parse_size = load_lab(LAB, NEEDS).parse_size
     assert [parse_size(text) for text in ("4K", "16M", "1G", "100", "0.5K")] == [4096, 16 * 2**20, 2**30, 100, 512]
 
 
-def compare_with_dist_all_reduce(env, path):
-    lab = load_script(path)
+def compare_with_dist_all_reduce(env):
+    lab = load_lab(LAB, NEEDS)
     results = {}
     for size in SIZES:
         data = torch.randn(size, generator=torch.Generator().manual_seed(100 * env.rank + size))
@@ -47,15 +51,15 @@ def compare_with_dist_all_reduce(env, path):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_naive_and_ring_all_reduce_equal_dist_all_reduce(world_size):
-    for rank in run_on_ranks(compare_with_dist_all_reduce, world_size, str(lab_path(LAB)), timeout=120):
+    for rank in run_on_ranks(compare_with_dist_all_reduce, world_size, timeout=120):
         assert set(rank) == {f"{name}-{size}" for name in ("naive", "ring") for size in SIZES} | {"ring-matrix"}
         for key, (in_place, result, expected) in rank.items():
             assert in_place, f"{key}: the result must be written into the tensor that was passed in"
             torch.testing.assert_close(result, expected, msg=key)
 
 
-def gradients_three_ways(env, path):
-    lab = load_script(path)
+def gradients_three_ways(env):
+    lab = load_lab(LAB, NEEDS)
     X = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(env.rank))
     y = torch.arange(8) % 10
     set_seed(0)
@@ -82,7 +86,7 @@ def gradients_three_ways(env, path):
 
 def test_one_bucket_gradient_averaging_equals_ddp_with_one_collective():
     parameters = sum(p.numel() for p in LeNet().parameters())
-    for rank in run_on_ranks(gradients_three_ways, 3, str(lab_path(LAB)), timeout=120):
+    for rank in run_on_ranks(gradients_three_ways, 3, timeout=120):
         for name in ("bucket-dist", "bucket-ring"):
             torch.testing.assert_close(rank[name], rank["ddp"], msg=name)
             assert rank[f"{name}-calls"] == [parameters], "one collective over all gradients, flattened"

@@ -13,9 +13,15 @@ from torch import nn
 
 from common.distributed import DistEnv
 from common.models import LeNet
-from tests.conftest import PYTHON, lab_path, load_script, run_command, torchrun
+from tests.conftest import PYTHON, lab_path, run_command, torchrun
+from tests.labs import load_lab
 
 LAB = "08_dp_vs_ddp"
+# What these tests call in the script: time_training_steps(net, batches, device, warmup_steps, other_devices=())
+# -> {"seconds", "samples", "steps", "peak_memory_mib"}, which reads the module names `time` and
+# `reset_peak_memory` (the tests replace them); measure_ddp(model_class, X, y, args, env), which calls the
+# script's `DDP`, `dist.all_reduce` and `time_training_steps`; and parse_args(argv).
+NEEDS = ("time_training_steps", "measure_ddp", "parse_args", "DDP", "dist")
 QUICK = ["--model", "lenet", "--batch-size", "8", "--steps", "3", "--warmup-steps", "1"]
 
 
@@ -50,11 +56,11 @@ def batches(count, size=5):
 
 
 def test_measure_trains_on_every_batch_and_times_only_the_steps_after_the_warm_up(monkeypatch):
-    lab = load_script(lab_path(LAB))
+    lab = load_lab(LAB, NEEDS)
     model = CountsItsCalls()
-    monkeypatch.setattr(lab, "time", CallCountClock(model))
+    monkeypatch.setitem(lab.time_training_steps.__globals__, "time", CallCountClock(model))  # its module's `time`
     before = [p.detach().clone() for p in model.parameters()]
-    result = lab.measure(model, batches(5), torch.device("cpu"), warmup_steps=2)
+    result = lab.time_training_steps(model, batches(5), torch.device("cpu"), warmup_steps=2)
     assert model.calls == 5
     assert (result["steps"], result["samples"]) == (3, 15)
     assert result["seconds"] == 3, "the clock starts after the 2 warm-up forwards and stops after the last one"
@@ -63,18 +69,20 @@ def test_measure_trains_on_every_batch_and_times_only_the_steps_after_the_warm_u
 
 
 def test_measure_with_no_step_left_to_time_says_so():
-    lab = load_script(lab_path(LAB))
+    lab = load_lab(LAB, NEEDS)
     with pytest.raises(ValueError, match="no step to time"):
-        lab.measure(nn.Linear(4, 3), batches(2), torch.device("cpu"), warmup_steps=2)
+        lab.time_training_steps(nn.Linear(4, 3), batches(2), torch.device("cpu"), warmup_steps=2)
 
 
 def test_measure_resets_every_devices_peak_memory_when_the_clock_starts(monkeypatch):
     # DataParallel's figures for GPUs 1..N-1 must cover the same steps as GPU 0's: no warm-up in any of them.
-    lab = load_script(lab_path(LAB))
+    lab = load_lab(LAB, NEEDS)
     model = CountsItsCalls()
     resets = []
-    monkeypatch.setattr(lab, "reset_peak_memory", lambda device: resets.append((str(device), model.calls)))
-    lab.measure(model, batches(4), torch.device("cpu", 0), warmup_steps=2, other_devices=[torch.device("cpu", 1)])
+    monkeypatch.setitem(lab.time_training_steps.__globals__, "reset_peak_memory",
+                        lambda device: resets.append((str(device), model.calls)))
+    lab.time_training_steps(model, batches(4), torch.device("cpu", 0), warmup_steps=2,
+                            other_devices=[torch.device("cpu", 1)])
     assert sorted(resets) == [("cpu:0", 2), ("cpu:1", 2)], "each device once, after the 2 warm-up forwards"
 
 
@@ -85,7 +93,7 @@ class StopAtTheCollective(Exception):
 def test_ddp_hands_the_collective_a_tensor_on_the_process_device(monkeypatch):
     # NCCL reduces CUDA tensors only, so a tensor left on the CPU stops a GPU run at its first collective. Without
     # a GPU, the "meta" device stands in for the process's GPU, and the collective records where its tensor is.
-    lab = load_script(lab_path(LAB))
+    lab = load_lab(LAB, NEEDS)
     devices = []
 
     def all_reduce(tensor, *args, **kwargs):
@@ -94,8 +102,8 @@ def test_ddp_hands_the_collective_a_tensor_on_the_process_device(monkeypatch):
 
     monkeypatch.setattr(lab.dist, "all_reduce", all_reduce)
     monkeypatch.setattr(lab, "DDP", lambda model, device_ids: model)  # no process group needed
-    monkeypatch.setattr(lab, "measure", lambda *args, **kwargs: {"seconds": 1.0, "samples": 8, "steps": 1,
-                                                                  "peak_memory_mib": 1.0})
+    monkeypatch.setattr(lab, "time_training_steps", lambda *args, **kwargs: {"seconds": 1.0, "samples": 8,
+                                                                              "steps": 1, "peak_memory_mib": 1.0})
     env = DistEnv(rank=0, local_rank=0, world_size=1, backend="nccl", device=torch.device("meta"))
     X, y = torch.randn(8, *LeNet.input_shape), torch.zeros(8, dtype=torch.long)
     with pytest.raises(StopAtTheCollective):

@@ -1,0 +1,89 @@
+"""What the measuring solutions write for people to read: a line per result, Markdown tables, JSON and PNG plots.
+
+- ``plot_bus_bandwidth``: lesson 01's all-reduce timings (``solutions/07_ring_allreduce.py``), bandwidth against size.
+- ``describe_comparison``, ``write_comparison``: lesson 02's DataParallel against DDP (``solutions/08_dp_vs_ddp.py``),
+  samples/s and peak memory per device, as a line, a table (``results.md``), figures (``results.json``) and a
+  plot (``results.png``).
+
+Plots use ``matplotlib.figure.Figure`` directly, not ``pyplot``: nothing to display, no global figure state.
+"""
+
+from pathlib import Path
+
+import torch
+
+from common.cli import parse_size
+from common.metrics import write_json
+
+
+def plot_bus_bandwidth(rows: list[dict], path, title: str) -> None:
+    """Plot bus bandwidth against tensor size, one line per algorithm, to the PNG ``path`` (folders created).
+
+    ``rows``: one dict per measurement with ``size`` (text such as ``"4K"``), ``algorithm`` and ``busbw`` (GB/s).
+    """
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4), layout="tight")
+    axes = figure.subplots()
+    for name in dict.fromkeys(row["algorithm"] for row in rows):
+        mine = [row for row in rows if row["algorithm"] == name]
+        axes.plot([parse_size(row["size"]) for row in mine], [row["busbw"] for row in mine], marker="o", label=name)
+    axes.set(xscale="log", xlabel="tensor size (bytes)", ylabel="bus bandwidth (GB/s)", title=title)
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+
+
+def describe_comparison(result: dict) -> str:
+    """One line for one mode's result: processes, devices, samples/s and peak memory per device."""
+    memory = ", ".join(f"{mib:,.0f}" for mib in result["peak_memory_mib"])
+    return (f"{result['mode']:>12}: {result['processes']} process(es) on {len(result['devices'])} device(s), "
+            f"{result['samples_per_second']:,.0f} samples/s, peak memory per device [{memory}] MiB "
+            f"({result['memory_kind']})")
+
+
+def write_comparison(folder: Path, results: list[dict], skipped: str | None, setting: dict, where: str) -> None:
+    """Write ``results.json`` (``setting`` with the PyTorch version and CUDA devices, ``results``, why DataParallel
+    was skipped), ``results.md`` (a table) and ``results.png`` (throughput and peak memory per device) into
+    ``folder``. ``setting`` names the ``model`` and ``global_batch_size``; ``where``, say ``"gloo on cpu"``, goes
+    into the plot's title. Call on one process."""
+    folder.mkdir(parents=True, exist_ok=True)
+    setting = {**setting, "torch_version": torch.__version__,
+               "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    write_json(folder / "results.json", {**setting, "results": results, "dataparallel_skipped": skipped})
+    lines = ["| mode | processes | devices | samples/s | peak memory per device (MiB) | memory measured as |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        memory = ", ".join(f"{mib:,.0f}" for mib in r["peak_memory_mib"])
+        lines.append(f"| {r['mode']} | {r['processes']} | {', '.join(r['devices'])} | "
+                     f"{r['samples_per_second']:,.0f} | {memory} | {r['memory_kind']} |")
+    if skipped:
+        lines.append(f"\nDataParallel skipped: {skipped}")
+    (folder / "results.md").write_text("\n".join(lines) + "\n")
+    title = f"{setting['model']}, global batch {setting['global_batch_size']}, {where}"
+    _plot_comparison(results, folder / "results.png", title, skipped)
+
+
+def _plot_comparison(results: list[dict], path: Path, title: str, skipped: str | None) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 3.8), layout="constrained")
+    speed_axes, memory_axes = figure.subplots(1, 2)
+    modes = [r["mode"] for r in results]
+    speed_axes.bar(modes, [r["samples_per_second"] for r in results], color=["tab:blue", "tab:orange"][:len(modes)])
+    if skipped:
+        speed_axes.bar(["DataParallel"], [0], color="tab:orange")
+        speed_axes.text(1, 0, "skipped:\nneeds 2+ GPUs", ha="center", va="bottom")
+    speed_axes.set(ylabel="samples/s", title="throughput")
+    width = 0.8 / len(results)
+    devices = max(len(r["peak_memory_mib"]) for r in results)
+    for i, r in enumerate(results):
+        positions = [device + (i - (len(results) - 1) / 2) * width for device in range(len(r["peak_memory_mib"]))]
+        memory_axes.bar(positions, r["peak_memory_mib"], width=width, label=r["mode"])
+    memory_axes.set_xticks(range(devices))
+    memory_axes.set(xlabel="device (DDP: the rank's device)", ylabel=f"MiB, {results[0]['memory_kind']}",
+                    title="peak memory per device")
+    memory_axes.legend(loc="lower right")
+    figure.suptitle(title)
+    figure.savefig(path, dpi=100)
