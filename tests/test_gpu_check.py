@@ -25,7 +25,7 @@ gpu_check = load_script(REPO / "scripts" / "gpu_check.py")
 def script_and_arguments(command: list[str]) -> tuple[Path, list[str]] | None:
     """The .py file a planned command runs and the arguments it gets, or None for a module (``-m pytest``)."""
     for index, word in enumerate(command):
-        if word.endswith(".py"):
+        if word.endswith(".py") and not word.startswith("-"):
             return REPO / word, command[index + 1:]
     return None
 
