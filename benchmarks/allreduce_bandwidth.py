@@ -28,7 +28,6 @@ other work can only slow a measurement down.
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from common.cli import parse_size, positive_int
 from common.collectives import count_messages, exchange, naive_all_reduce, ring_all_reduce
 from common.distributed import BACKENDS, print0, setup_distributed, teardown_distributed
+from common.metrics import slowest_rank_seconds
 
 ALGORITHMS = {"naive": naive_all_reduce, "ring": ring_all_reduce, "dist.all_reduce": dist.all_reduce}
 
@@ -49,18 +49,6 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=positive_int, default=5, help="the measurements take turns; medians")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
     return parser.parse_args(argv)
-
-
-def timed(operation, device) -> float:
-    """Seconds one call of ``operation()`` took on the slowest rank, all ranks starting together."""
-    dist.barrier()  # start together: one rank's lateness is not billed to the operation
-    start = time.perf_counter()
-    operation()
-    if device.type == "cuda":
-        torch.cuda.synchronize()  # GPU work is queued: wait for it before reading the clock
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
 
 
 def point_to_point(rank: int, world_size: int, tensors: dict):
@@ -128,7 +116,7 @@ def main(args):
                 for iteration in range(args.iterations + 1):  # the operations take turns, call by call
                     for name in names:
                         operation, factor = operations[name]
-                        seconds = factor * timed(operation, device)
+                        seconds = factor * slowest_rank_seconds(operation, device)
                         if iteration:  # the first call allocates and connects: left out
                             calls[name].append(seconds)
                     for tensor in tensors.values():

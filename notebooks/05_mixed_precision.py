@@ -26,7 +26,7 @@ import os
 QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
 NPROC = 1 if QUICK else 2  # one process starts faster; the full run uses 2
 EPOCHS = 1 if QUICK else 5
-MAX_STEPS = ["--max-steps", 4] if QUICK else []
+MAX_BATCHES = ["--max-batches-per-epoch", 4] if QUICK else []
 RUN_PRECISIONS = ("fp32", "bf16") if QUICK else ("fp32", "bf16", "fp16")  # fp16 is slow on most CPUs
 # full: SimpleCNN, batch 64 on a CPU (256 on a GPU), fp32, bf16 and fp16, best of 3 rounds
 BENCHMARK = ["--model", "lenet", "--batch-size", 16, "--steps", 2, "--rounds", 1, "--precisions", "fp32", "bf16"]
@@ -167,7 +167,7 @@ for mode in ("fp32, no scaler", "unscale_, then clip", "clip the scaled gradient
 histories = {}
 for precision in RUN_PRECISIONS:
     metrics_file = REPO / "runs" / f"05_{precision}.json"
-    output = launch("solutions/04_mixed_precision.py", "--dataset", "digits", "--epochs", EPOCHS, *MAX_STEPS,
+    output = launch("solutions/04_mixed_precision.py", "--dataset", "digits", "--epochs", EPOCHS, *MAX_BATCHES,
                     "--precision", precision, "--metrics-file", metrics_file, nproc=NPROC).stdout
     metrics = json.loads(metrics_file.read_text())
     histories[precision] = metrics["history"]

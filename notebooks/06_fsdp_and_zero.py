@@ -27,7 +27,7 @@ import os
 
 QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
 WORLD_SIZES = (2,) if QUICK else (1, 2, 4)
-MAX_STEPS = 2 if QUICK else None  # batches per epoch; None: the whole epoch
+MAX_BATCHES = 2 if QUICK else None  # batches per epoch; None: the whole epoch
 RESUME_NPROC = 1 if QUICK else 4  # the world size that resumes the 2-process checkpoint
 
 # %%
@@ -131,7 +131,7 @@ for world_size, ranks in measured.items():
 # %%
 checkpoints = Path("runs/06_checkpoints")  # relative to the repository, where the scripts run
 shutil.rmtree(REPO / checkpoints, ignore_errors=True)
-steps = ["--max-steps", MAX_STEPS] if MAX_STEPS else []
+steps = ["--max-batches-per-epoch", MAX_BATCHES] if MAX_BATCHES else []
 for sharding in ("none", "full"):
     extra = ["--checkpoint-dir", checkpoints] if sharding == "full" else []
     output = launch("solutions/03_fsdp.py", "--dataset", "digits", "--epochs", 1, "--sharding", sharding,

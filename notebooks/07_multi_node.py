@@ -28,7 +28,7 @@ import os
 QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
 NPROC_PER_NODE = 1 if QUICK else 2  # processes per "node": 2 nodes x 2 = a world of 4 in the full run
 EPOCHS = 1 if QUICK else 2
-MAX_STEPS = 4 if QUICK else 12  # steps per epoch (digits with 4 ranks x 32 has 12)
+MAX_BATCHES = 4 if QUICK else 12  # batches per epoch on every rank (digits with 4 ranks x 32 has 12)
 FAIL_AT = 3 if QUICK else 14  # the step at which the last rank fails, on the first attempt only
 SIZES = ["16M"] if QUICK else ["1M", "16M", "64M"]
 SHOW_FAILURE = not QUICK  # the test suite proves it (tests/labs/test_05_multi_node.py); it takes 15-20 s
@@ -46,7 +46,7 @@ from common.fault_tolerance import list_checkpoints, read_verified
 from common.launch import REPO
 
 WORK = Path(tempfile.mkdtemp(prefix="lesson07-"))
-TRAINING = ["--dataset", "digits", "--epochs", EPOCHS, "--batch-size", 32, "--max-steps", MAX_STEPS,
+TRAINING = ["--dataset", "digits", "--epochs", EPOCHS, "--batch-size", 32, "--max-batches-per-epoch", MAX_BATCHES,
             "--checkpoint-every", 4 if not QUICK else 2]
 
 
