@@ -92,6 +92,7 @@ class TrainingHistory:
         self.env, self.epochs, self.rows = env, epochs, []
 
     def start_epoch(self) -> None:
+        """Start the epoch's clock (call on every rank, after ``sampler.set_epoch``)."""
         self.started = time.perf_counter()
 
     def end_epoch(self, epoch: int, net, loss_sum, samples: int, test_iter, **extra) -> dict:

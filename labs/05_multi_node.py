@@ -3,8 +3,8 @@
 """Lab 05 (lesson 07): one training script for one node or many, that survives a crash and resumes bit-exactly.
 
 YOUR TASK: write the parts marked TODO below; the rest of this script and common/ are done for you.
-- in ``save``: save: write the checkpoint from global rank 0
-- in ``resume``: resume: load the newest valid checkpoint on every rank
+- in ``save``: write the checkpoint from global rank 0
+- in ``resume``: load the newest valid checkpoint on every rank
 Check your work with
 
     LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_05_multi_node.py
@@ -113,20 +113,20 @@ def train(args, env):
 
 def save(args, step, epoch, batch_in_epoch, net, optimizer, scheduler, history):
     """Call on every rank: all of them hand in their RNG state, global rank 0 alone writes, all wait for it."""
-    # TODO: save: write the checkpoint from global rank 0
+    # TODO: write the checkpoint from global rank 0
     # All ranks gather the RNG states (a collective); rank 0 alone writes model, optimizer, scheduler, epoch, step,
     # batch_in_epoch, rng and history (write_verified, step_checkpoint_file), then prunes; all meet at a barrier.
-    raise NotImplementedError("TODO: save: write the checkpoint from global rank 0")
+    raise NotImplementedError("TODO: write the checkpoint from global rank 0")
 
 
 def resume(folder, env, net, optimizer, scheduler):
     """Load the newest valid checkpoint in ``folder`` on every rank, the one that global rank 0 picked; return
     (epoch, step, batch in epoch, history), or (0, 0, 0, []) without one."""
-    # TODO: resume: load the newest valid checkpoint on every rank
+    # TODO: load the newest valid checkpoint on every rank
     # Rank 0 picks newest_valid_checkpoint(folder, log=print0) and broadcasts its path (broadcast_object_list);
     # every rank reads it (read_verified), loads model, optimizer, scheduler and its own RNG state (another world
     # size: set_seed(step, rank)) and prints "resumed from PATH: epoch E, step S, batch B of the epoch" on rank 0.
-    raise NotImplementedError("TODO: resume: load the newest valid checkpoint on every rank")
+    raise NotImplementedError("TODO: load the newest valid checkpoint on every rank")
 
 
 if __name__ == "__main__":

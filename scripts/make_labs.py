@@ -92,11 +92,13 @@ def enclosing_function(lines: list[str]) -> str:
 
 
 def source(module: str) -> tuple[list[str], ast.Module]:
+    """The lines and the syntax tree of the repository's module ``module`` (dotted, e.g. ``common.fsdp``)."""
     lines = (REPO / f"{module.replace('.', '/')}.py").read_text().splitlines()
     return lines, ast.parse("\n".join(lines))
 
 
 def function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    """The top-level function ``name`` of ``tree``."""
     return next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name)
 
 

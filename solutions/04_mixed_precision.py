@@ -95,11 +95,9 @@ def train_one_epoch(net, batches, optimizer, scheduler, scaler, accum_steps: int
         micro_steps = min(accum_steps, len(batches) - group_start)  # the epoch's last group may be shorter
         last_micro_step = i == group_start + micro_steps - 1
         # BEGIN LAB: autocast the forward, scale the loss, then unscale_, clip, step, update
-        # As in lab 02, forward AND backward in `net.no_sync()` but on the last micro-step. The loss under
-        # `torch.autocast(device_type=device.type, dtype=PRECISIONS[precision])`, disabled for fp32; backward
-        # outside it, on `scaler.scale(loss / micro_steps)`. After the last micro-step: `scaler.unscale_` BEFORE
-        # clipping, then `scaler.step` and `scaler.update`. A skipped step (the scale went down) is counted in
-        # `skipped_steps` and does not step the scheduler. Count every step in `optimizer_steps`.
+        # As in lab 02, plus: the loss under torch.autocast to PRECISIONS[precision] (off for fp32), backward outside
+        # it on scaler.scale(loss / micro_steps); scaler.unscale_ BEFORE clipping, then scaler.step and update. A step
+        # whose scale went down was skipped: count it in `skipped_steps`, and do not step the scheduler.
         # Forward and backward both inside no_sync: DDP decides in forward whether backward will all-reduce.
         with nullcontext() if last_micro_step else net.no_sync():
             with torch.autocast(device_type=device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32"):

@@ -104,7 +104,7 @@ def train(args, env):
 
 def save(args, step, epoch, batch_in_epoch, net, optimizer, scheduler, history):
     """Call on every rank: all of them hand in their RNG state, global rank 0 alone writes, all wait for it."""
-    # BEGIN LAB: save: write the checkpoint from global rank 0
+    # BEGIN LAB: write the checkpoint from global rank 0
     # All ranks gather the RNG states (a collective); rank 0 alone writes model, optimizer, scheduler, epoch, step,
     # batch_in_epoch, rng and history (write_verified, step_checkpoint_file), then prunes; all meet at a barrier.
     rng = gather_rng_states()  # a collective, so it runs on every rank, never inside `if is_main()`
@@ -121,7 +121,7 @@ def save(args, step, epoch, batch_in_epoch, net, optimizer, scheduler, history):
 def resume(folder, env, net, optimizer, scheduler):
     """Load the newest valid checkpoint in ``folder`` on every rank, the one that global rank 0 picked; return
     (epoch, step, batch in epoch, history), or (0, 0, 0, []) without one."""
-    # BEGIN LAB: resume: load the newest valid checkpoint on every rank
+    # BEGIN LAB: load the newest valid checkpoint on every rank
     # Rank 0 picks newest_valid_checkpoint(folder, log=print0) and broadcasts its path (broadcast_object_list);
     # every rank reads it (read_verified), loads model, optimizer, scheduler and its own RNG state (another world
     # size: set_seed(step, rank)) and prints "resumed from PATH: epoch E, step S, batch B of the epoch" on rank 0.
