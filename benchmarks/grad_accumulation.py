@@ -63,7 +63,7 @@ def main(args):
         X = torch.randn(args.batch_size, *model_class.input_shape, generator=generator).to(env.device)
         y = torch.randint(0, 10, (args.batch_size,), generator=generator).to(env.device)
         set_seed(0)
-        net = DDP(model_class().to(env.device), device_ids=[env.device] if env.device.type == "cuda" else None)
+        net = DDP(model_class().to(env.device), device_ids=env.device_ids)
         counter = AllReduceCounter.attach(net)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
         parameters = sum(p.numel() for p in net.parameters())

@@ -53,7 +53,7 @@ def main(args):
     try:
         set_seed(0, env.rank)
         model_class = MODELS[args.model]
-        net = DDP(model_class().to(env.device), device_ids=[env.device] if env.device.type == "cuda" else None)
+        net = DDP(model_class().to(env.device), device_ids=env.device_ids)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         X = torch.randn(args.batch_size, *model_class.input_shape, device=env.device)
         y = torch.randint(0, 10, (args.batch_size,), device=env.device)
