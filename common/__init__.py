@@ -24,7 +24,8 @@ What a lesson builds or shows:
   BatchNorm's statistics across ranks and under DDP.
 - ``common.precision`` (05): the ``--precision`` choices and a clear error where one cannot run.
 - ``common.memory`` (06): bytes of model state per parameter and per ZeRO stage, what a rank holds, peak memory.
-- ``common.fsdp`` (06): FSDP2 applied to a model, sharded (DCP) checkpoints, full state-dict export.
+- ``common.fsdp`` (06): the plumbing around FSDP2 (mesh, options, mixed-precision policy), sharded (DCP)
+  checkpoints, full state-dict export, and lesson 06's measurements (the sharding itself is in the solution).
 - ``common.fault_tolerance`` (07): numbered, verified checkpoints for restarts, the newest valid one, RNG states.
 - ``common.debugging`` (07): collectives that ranks get wrong, and what ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` says.
 """
