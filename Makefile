@@ -11,6 +11,8 @@ demo: $(READY)
 	$(BIN)/torchrun --standalone --nproc_per_node=2 solutions/01_ddp_basic.py --dataset digits
 
 test: $(READY)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
 
 # On a GPU machine: runs every solution with NCCL and the GPU benchmarks, writes $(RESULTS)/<gpu-model>/. It uses

@@ -29,12 +29,17 @@ BATCH_SIZE, LR, MOMENTUM = 64, 0.05, 0.9
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--steps", type=positive_int, default=120, help="optimizer steps of the training run")
     parser.add_argument("--micro-steps", type=positive_int, default=4, help="micro-batches per batch of 64")
-    parser.add_argument("--threads", type=positive_int, default=1,
-                        help="PyTorch threads: the kernels split their sums by thread, so this changes the rounding")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="PyTorch threads: the kernels split their sums by thread, so this changes the rounding",
+    )
     return parser.parse_args(argv)
 
 
@@ -55,7 +60,7 @@ def batches(steps: int):
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     per_epoch = len(y) // BATCH_SIZE
     for step in range(steps):
-        index = order[(step % per_epoch) * BATCH_SIZE: (step % per_epoch + 1) * BATCH_SIZE]
+        index = order[(step % per_epoch) * BATCH_SIZE : (step % per_epoch + 1) * BATCH_SIZE]
         yield X[index], y[index]
 
 
@@ -69,8 +74,11 @@ def one_step_difference(micro_steps: int) -> dict:
         accumulate_gradient(model, X, y, k)
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     difference = (grads[0] - grads[1]).abs()
-    return {"max_abs": difference.max().item(), "max_grad": grads[0].abs().max().item(),
-            "differing": (difference > 0).float().mean().item()}
+    return {
+        "max_abs": difference.max().item(),
+        "max_grad": grads[0].abs().max().item(),
+        "differing": (difference > 0).float().mean().item(),
+    }
 
 
 def training_drift(micro_steps: int, steps: int, report_at) -> list[dict]:
@@ -89,23 +97,36 @@ def training_drift(micro_steps: int, steps: int, report_at) -> list[dict]:
                 snapshots[step] = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
         runs.append((losses, snapshots))
     (losses_whole, params_whole), (losses_micro, params_micro) = runs
-    return [{"step": step, "max_param_diff": (params_whole[step] - params_micro[step]).abs().max().item(),
-             "loss_whole": losses_whole[step - 1], "loss_micro": losses_micro[step - 1]} for step in report_at]
+    return [
+        {
+            "step": step,
+            "max_param_diff": (params_whole[step] - params_micro[step]).abs().max().item(),
+            "loss_whole": losses_whole[step - 1],
+            "loss_micro": losses_micro[step - 1],
+        }
+        for step in report_at
+    ]
 
 
 def main(args):
     torch.set_num_threads(args.threads)  # fixed, so that a rerun rounds the same way
     first = one_step_difference(args.micro_steps)
-    print(f"LeNet on digits, batch {BATCH_SIZE}: one backward against {args.micro_steps} micro-batches of "
-          f"{BATCH_SIZE // args.micro_steps}, PyTorch {torch.__version__}, CPU, {args.threads} thread(s)")
-    print(f"one step, same weights: max |gradient difference| {first['max_abs']:.2e} "
-          f"({first['max_abs'] / first['max_grad']:.1e} of the largest gradient element, {first['max_grad']:.2e}); "
-          f"{first['differing']:.0%} of the elements differ")
+    print(
+        f"LeNet on digits, batch {BATCH_SIZE}: one backward against {args.micro_steps} micro-batches of "
+        f"{BATCH_SIZE // args.micro_steps}, PyTorch {torch.__version__}, CPU, {args.threads} thread(s)"
+    )
+    print(
+        f"one step, same weights: max |gradient difference| {first['max_abs']:.2e} "
+        f"({first['max_abs'] / first['max_grad']:.1e} of the largest gradient element, {first['max_grad']:.2e}); "
+        f"{first['differing']:.0%} of the elements differ"
+    )
     report_at = sorted({1, 10, *range(20, args.steps + 1, 20), args.steps} & set(range(1, args.steps + 1)))
     print(f"{'step':>5} {'max |param diff|':>17} {'loss, one batch':>16} {'loss, accumulated':>18} {'|loss diff|':>12}")
     for row in training_drift(args.micro_steps, args.steps, report_at):
-        print(f"{row['step']:>5} {row['max_param_diff']:>17.2e} {row['loss_whole']:>16.6f} {row['loss_micro']:>18.6f} "
-              f"{abs(row['loss_whole'] - row['loss_micro']):>12.2e}")
+        print(
+            f"{row['step']:>5} {row['max_param_diff']:>17.2e} {row['loss_whole']:>16.6f} {row['loss_micro']:>18.6f} "
+            f"{abs(row['loss_whole'] - row['loss_micro']):>12.2e}"
+        )
 
 
 if __name__ == "__main__":

@@ -41,10 +41,15 @@ ALGORITHMS = {"naive": naive_all_reduce, "ring": ring_all_reduce, "dist.all_redu
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=["4", "4K", "64K", "1M", "4M", "16M", "64M"],
-                        help="tensor sizes in bytes (float32), e.g. 4K 16M")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=["4", "4K", "64K", "1M", "4M", "16M", "64M"],
+        help="tensor sizes in bytes (float32), e.g. 4K 16M",
+    )
     parser.add_argument("--iterations", type=positive_int, default=10, help="timed calls per round")
     parser.add_argument("--rounds", type=positive_int, default=5, help="the measurements take turns; medians")
     parser.add_argument("--backend", choices=BACKENDS, default="auto")
@@ -68,12 +73,17 @@ def point_to_point(rank: int, world_size: int, tensors: dict):
 
     # Both allreduces receive into a buffer they allocate per call (naive: S on rank 0; ring: S/N on every rank).
     # Memory the allocator takes fresh from the kernel costs a page fault per page at its first write.
-    return {"one-way": (one_way, 0.5), "exchange": (ring_exchange, 1.0),
-            "add": (lambda: full.add_(other), 1.0), "add chunk": (lambda: chunk.add_(received), 1.0),
-            "copy": (lambda: full.copy_(other), 1.0), "write": (lambda: full.fill_(2.0), 1.0),
-            "new": (lambda: torch.empty_like(full).fill_(2.0), 1.0),
-            "new chunk": (lambda: torch.empty_like(chunk).fill_(2.0), 1.0),
-            "write chunk": (lambda: chunk.fill_(2.0), 1.0)}
+    return {
+        "one-way": (one_way, 0.5),
+        "exchange": (ring_exchange, 1.0),
+        "add": (lambda: full.add_(other), 1.0),
+        "add chunk": (lambda: chunk.add_(received), 1.0),
+        "copy": (lambda: full.copy_(other), 1.0),
+        "write": (lambda: full.fill_(2.0), 1.0),
+        "new": (lambda: torch.empty_like(full).fill_(2.0), 1.0),
+        "new chunk": (lambda: torch.empty_like(chunk).fill_(2.0), 1.0),
+        "write chunk": (lambda: chunk.fill_(2.0), 1.0),
+    }
 
 
 def message_numels(size: int, world_size: int):
@@ -96,20 +106,35 @@ def main(args):
         rank, world_size, device = env.rank, env.world_size, env.device
         if world_size < 2:
             raise SystemExit("error: run with at least 2 processes (torchrun --nproc_per_node=2 ...)")
-        print0(f"{world_size} processes, backend {env.backend}, device {device.type}, "
-               f"{torch.get_num_threads()} thread(s) per process, PyTorch {torch.__version__}; float32 tensors")
+        print0(
+            f"{world_size} processes, backend {env.backend}, device {device.type}, "
+            f"{torch.get_num_threads()} thread(s) per process, PyTorch {torch.__version__}; float32 tensors"
+        )
         sizes = [parse_size(size) for size in args.sizes]
         print_message_counts(rank, world_size, device, max(sizes))
 
-        names = ["one-way", "exchange", "add", "add chunk", "copy", "write", "new", "write chunk", "new chunk",
-                 *ALGORITHMS]
+        names = [
+            "one-way",
+            "exchange",
+            "add",
+            "add chunk",
+            "copy",
+            "write",
+            "new",
+            "write chunk",
+            "new chunk",
+            *ALGORITHMS,
+        ]
         rounds = {(size, name): [] for size in sizes for name in names}
         for _ in range(args.rounds):
             for size in sizes:
                 numel, chunk_numel = message_numels(size, world_size)
-                tensors = {"full": torch.ones(numel, device=device), "other": torch.ones(numel, device=device),
-                           "chunk": torch.ones(chunk_numel, device=device),
-                           "received": torch.ones(chunk_numel, device=device)}
+                tensors = {
+                    "full": torch.ones(numel, device=device),
+                    "other": torch.ones(numel, device=device),
+                    "chunk": torch.ones(chunk_numel, device=device),
+                    "received": torch.ones(chunk_numel, device=device),
+                }
                 operations = point_to_point(rank, world_size, tensors)
                 operations.update({name: (lambda f=f, t=tensors["full"]: f(t), 1.0) for name, f in ALGORITHMS.items()})
                 calls = {name: [] for name in names}
@@ -168,8 +193,11 @@ def print_point_to_point(labels, sizes, best, median):
     print0("\n2. point to point over the backend, and 3. local memory on one process: ms, best round (median)")
     columns = {"one-way": "one-way", "exchange": "exchange of S/N", "add": "add (+=)", "copy": "copy_"}
     fresh = {"new": "fresh S", "new chunk": "fresh S/N"}  # first write to a new buffer, minus a write to one in use
-    print0(f"{'size':>6}" + "".join(f"{header:>19}" for header in columns.values())
-           + "".join(f"{header:>10}" for header in fresh.values()))
+    print0(
+        f"{'size':>6}"
+        + "".join(f"{header:>19}" for header in columns.values())
+        + "".join(f"{header:>10}" for header in fresh.values())
+    )
     for label, size in zip(labels, sizes):
         cells = "".join(cell(best, median, (size, name)) for name in columns)
         extra = "".join(f"{fresh_cost(best, size, name) * 1e3:>10.3f}" for name in fresh)
@@ -177,11 +205,14 @@ def print_point_to_point(labels, sizes, best, median):
     for name, which in (("one-way", 0), ("exchange", 1)):  # a one-way message carries S, an exchange S/N
         message_bytes = [4 * message_numels(size, dist.get_world_size())[which] for size in sizes]
         a, bandwidth = fit_latency_and_bandwidth(message_bytes, [best[(size, name)] for size in sizes])
-        print0(f"fit t = a + n / B to the best rounds, {name:>8}: a = {a * 1e3:.3f} ms per message, "
-               f"B = {bandwidth / 1e9:.2f} GB/s")
+        print0(
+            f"fit t = a + n / B to the best rounds, {name:>8}: a = {a * 1e3:.3f} ms per message, "
+            f"B = {bandwidth / 1e9:.2f} GB/s"
+        )
     for name, label in (("add", "+="), ("copy", "copy_")):
-        rates = ", ".join(f"{label_} {size / best[(size, name)] / 1e9:.2f}" for label_, size in zip(labels, sizes)
-                          if size >= 2**20)
+        rates = ", ".join(
+            f"{label_} {size / best[(size, name)] / 1e9:.2f}" for label_, size in zip(labels, sizes) if size >= 2**20
+        )
         print0(f"local {label:>5}, GB/s of the tensor's size, best rounds: {rates}")
 
 
@@ -190,10 +221,10 @@ def print_all_reduce(labels, sizes, world_size, best, median):
     print0(f"\n4. allreduce, {world_size} ranks: ms, best round (median), and predicted from the best rounds of 2, 3")
     print0(f"{'size':>6} {'naive':>19} {'predicted':>9} {'ring':>19} {'predicted':>9} {'dist.all_reduce':>19}")
     for label, size in zip(labels, sizes):
-        naive = ((world_size - 1) * (2 * best[(size, "one-way")] + best[(size, "add")])
-                 + fresh_cost(best, size, "new"))
-        ring = ((world_size - 1) * (2 * best[(size, "exchange")] + best[(size, "add chunk")])
-                + fresh_cost(best, size, "new chunk"))
+        naive = (world_size - 1) * (2 * best[(size, "one-way")] + best[(size, "add")]) + fresh_cost(best, size, "new")
+        ring = (world_size - 1) * (2 * best[(size, "exchange")] + best[(size, "add chunk")]) + fresh_cost(
+            best, size, "new chunk"
+        )
         cells = [cell(best, median, (size, name)) for name in ALGORITHMS]
         print0(f"{label:>6} {cells[0]} {naive * 1e3:>9.3f} {cells[1]} {ring * 1e3:>9.3f} {cells[2]}")
 

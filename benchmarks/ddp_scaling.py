@@ -24,9 +24,20 @@ from common.launch import REPO, torchrun_command
 def measure(nproc: int, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         metrics_file = Path(tmp) / "metrics.json"
-        command = torchrun_command(REPO / "solutions/01_ddp_basic.py", "--dataset", args.dataset, "--model", args.model,
-                                   "--epochs", args.epochs, "--batch-size", args.batch_size,
-                                   "--metrics-file", metrics_file, nproc=nproc)
+        command = torchrun_command(
+            REPO / "solutions/01_ddp_basic.py",
+            "--dataset",
+            args.dataset,
+            "--model",
+            args.model,
+            "--epochs",
+            args.epochs,
+            "--batch-size",
+            args.batch_size,
+            "--metrics-file",
+            metrics_file,
+            nproc=nproc,
+        )
         env = dict(os.environ)
         if args.cpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -35,18 +46,26 @@ def measure(nproc: int, args) -> dict:
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         metrics = json.loads(metrics_file.read_text())
     epochs = metrics["history"][1:] or metrics["history"]
-    return {"nproc": nproc, "backend": metrics["backend"], "device": metrics["device"],
-            "samples_per_second": sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs),
-            "accuracy": metrics["final_test_accuracy"]}
+    return {
+        "nproc": nproc,
+        "backend": metrics["backend"],
+        "device": metrics["device"],
+        "samples_per_second": sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs),
+        "accuracy": metrics["final_test_accuracy"],
+    }
 
 
 def main(args):
     threads = f"{args.threads} thread(s) per process" if args.threads else "torchrun's threads per process"
-    setup = (f"solutions/01_ddp_basic.py --dataset {args.dataset} --model {args.model} --epochs {args.epochs} "
-             f"--batch-size {args.batch_size} (per process); {threads}{'; GPUs hidden' if args.cpu else ''}")
+    setup = (
+        f"solutions/01_ddp_basic.py --dataset {args.dataset} --model {args.model} --epochs {args.epochs} "
+        f"--batch-size {args.batch_size} (per process); {threads}{'; GPUs hidden' if args.cpu else ''}"
+    )
     print(setup)
-    print(f"{'processes':>9} {'backend':>7} {'device':>7} {'samples/s':>10} {'speed-up':>8} {'efficiency':>10} "
-          f"{'test acc':>8}")
+    print(
+        f"{'processes':>9} {'backend':>7} {'device':>7} {'samples/s':>10} {'speed-up':>8} {'efficiency':>10} "
+        f"{'test acc':>8}"
+    )
     baseline = None
     rows = []
     for nproc in args.nproc:
@@ -54,8 +73,11 @@ def main(args):
         rows.append(row)
         baseline = baseline or row["samples_per_second"] / row["nproc"]
         speedup = row["samples_per_second"] / baseline
-        print(f"{nproc:>9} {row['backend']:>7} {row['device']:>7} {row['samples_per_second']:>10,.0f} "
-              f"{speedup:>7.2f}x {speedup / nproc:>10.0%} {row['accuracy']:>8.2%}", flush=True)
+        print(
+            f"{nproc:>9} {row['backend']:>7} {row['device']:>7} {row['samples_per_second']:>10,.0f} "
+            f"{speedup:>7.2f}x {speedup / nproc:>10.0%} {row['accuracy']:>8.2%}",
+            flush=True,
+        )
         row.update(speedup=speedup, efficiency=speedup / nproc)
     if args.json:
         args.json.write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))

@@ -29,8 +29,9 @@ MIB = 2**20
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--width", type=positive_int, default=512, help="DeepMLP width")
     parser.add_argument("--depth", type=positive_int, default=4, help="DeepMLP blocks")
     parser.add_argument("--batch-size", type=positive_int, default=32)
@@ -44,28 +45,43 @@ def main(args):
     try:
         num_parameters = sum(p.numel() for p in DeepMLP(width=args.width, depth=args.depth).parameters())
         where = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
-        setup = (f"DeepMLP width {args.width} depth {args.depth} ({num_parameters / 1e6:.1f} M parameters), batch "
-                 f"{args.batch_size} per rank, one Adam step, {env.world_size} rank(s), {env.backend} on {where}")
+        setup = (
+            f"DeepMLP width {args.width} depth {args.depth} ({num_parameters / 1e6:.1f} M parameters), batch "
+            f"{args.batch_size} per rank, one Adam step, {env.world_size} rank(s), {env.backend} on {where}"
+        )
         print0(setup)
-        print0(f"{'strategy':>24} {'params MiB':>10} {'grads MiB':>9} {'Adam MiB':>8} {'total MiB':>9} "
-               f"{'ZeRO MiB':>8} {'peak MiB':>8} {'gathers':>7}")
+        print0(
+            f"{'strategy':>24} {'params MiB':>10} {'grads MiB':>9} {'Adam MiB':>8} {'total MiB':>9} "
+            f"{'ZeRO MiB':>8} {'peak MiB':>8} {'gathers':>7}"
+        )
         rows = []
         for strategy in args.strategies:
-            held = measure_model_state(env, strategy, width=args.width, depth=args.depth,
-                                       batch_size=args.batch_size)
+            held = measure_model_state(env, strategy, width=args.width, depth=args.depth, batch_size=args.batch_size)
             predicted = zero_bytes_per_rank(num_parameters, env.world_size, ZERO_STAGE[strategy])["total"]
-            row = {"strategy": strategy, "parameters_mib": held["parameters"] / MIB,
-                   "gradients_mib": held["gradients"] / MIB, "optimizer_mib": held["optimizer"] / MIB,
-                   "total_mib": held["total"] / MIB, "zero_predicted_mib": predicted / MIB,
-                   "cuda_peak_mib": held.get("cuda_peak_mib"), "all_gathers": held["all_gathers"]}
+            row = {
+                "strategy": strategy,
+                "parameters_mib": held["parameters"] / MIB,
+                "gradients_mib": held["gradients"] / MIB,
+                "optimizer_mib": held["optimizer"] / MIB,
+                "total_mib": held["total"] / MIB,
+                "zero_predicted_mib": predicted / MIB,
+                "cuda_peak_mib": held.get("cuda_peak_mib"),
+                "all_gathers": held["all_gathers"],
+            }
             rows.append(row)
             peak = "-" if row["cuda_peak_mib"] is None else f"{row['cuda_peak_mib']:.0f}"
-            print0(f"{strategy:>24} {row['parameters_mib']:>10.1f} {row['gradients_mib']:>9.1f} "
-                   f"{row['optimizer_mib']:>8.1f} {row['total_mib']:>9.1f} {row['zero_predicted_mib']:>8.1f} "
-                   f"{peak:>8} {row['all_gathers']:>7}")
+            print0(
+                f"{strategy:>24} {row['parameters_mib']:>10.1f} {row['gradients_mib']:>9.1f} "
+                f"{row['optimizer_mib']:>8.1f} {row['total_mib']:>9.1f} {row['zero_predicted_mib']:>8.1f} "
+                f"{peak:>8} {row['all_gathers']:>7}"
+            )
         if args.json and is_main():
-            args.json.write_text(json.dumps({"setup": setup, "world_size": env.world_size,
-                                             "num_parameters": num_parameters, "rows": rows}, indent=2))
+            args.json.write_text(
+                json.dumps(
+                    {"setup": setup, "world_size": env.world_size, "num_parameters": num_parameters, "rows": rows},
+                    indent=2,
+                )
+            )
     finally:
         teardown_distributed()
 

@@ -27,8 +27,9 @@ from common.models import MODELS
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--model", choices=list(MODELS), default="simplecnn")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="per process and micro-step")
     parser.add_argument("--accum-steps", type=positive_int, default=4)
@@ -67,8 +68,10 @@ def main(args):
         counter = AllReduceCounter.attach(net)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
         parameters = sum(p.numel() for p in net.parameters())
-        print0(f"{args.model} ({parameters / 1e6:.2f} M parameters), {env.world_size} process(es), {env.backend} on "
-               f"{env.device.type}, {args.accum_steps} micro-steps of {args.batch_size} per effective step")
+        print0(
+            f"{args.model} ({parameters / 1e6:.2f} M parameters), {env.world_size} process(es), {env.backend} on "
+            f"{env.device.type}, {args.accum_steps} micro-steps of {args.batch_size} per effective step"
+        )
         print0(f"{'mode':>22} {'allreduces/step':>15} {'grad MB/step':>12} {'ms/step':>8}")
         effective_steps(net, optimizer, X, y, args.accum_steps, 1, False, env.device)  # warm-up, buckets built
         # The modes take turns, round after round, and each reports its median round: a background load that
@@ -77,14 +80,17 @@ def main(args):
         for _ in range(args.rounds):
             for use_no_sync in (False, True):
                 counter.reset()
-                seconds[use_no_sync].append(effective_steps(net, optimizer, X, y, args.accum_steps, args.steps,
-                                                            use_no_sync, env.device))
+                seconds[use_no_sync].append(
+                    effective_steps(net, optimizer, X, y, args.accum_steps, args.steps, use_no_sync, env.device)
+                )
                 counts[use_no_sync] = (counter.calls, counter.bytes)
         for use_no_sync in (False, True):
             calls, sent = counts[use_no_sync]
             mode = "no_sync on k-1 of k" if use_no_sync else "allreduce every micro"
-            print0(f"{mode:>22} {calls / args.steps:>15.1f} {sent / args.steps / 1e6:>12.2f} "
-                   f"{1000 * statistics.median(seconds[use_no_sync]) / args.steps:>8.1f}")
+            print0(
+                f"{mode:>22} {calls / args.steps:>15.1f} {sent / args.steps / 1e6:>12.2f} "
+                f"{1000 * statistics.median(seconds[use_no_sync]) / args.steps:>8.1f}"
+            )
     finally:
         teardown_distributed()
 

@@ -25,8 +25,9 @@ DIGITS_TRAIN_SIZE = 1438
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16, help="per process and micro-step")
     parser.add_argument("--accum-steps", type=int, default=4, help="k: the large batch is k times the baseline")
@@ -41,33 +42,63 @@ def parse_args(argv=None):
 def run(name, accum_steps, lr, warmup_steps, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         metrics_file = Path(tmp) / "metrics.json"
-        launch("solutions/02_gradient_accumulation.py", "--dataset", "digits", "--batch-size", args.batch_size,
-               "--grad-accum-steps", accum_steps, "--lr", lr, "--warmup-steps", warmup_steps, "--epochs", args.epochs,
-               "--seed", args.seed, "--metrics-file", metrics_file, nproc=args.nproc)
+        launch(
+            "solutions/02_gradient_accumulation.py",
+            "--dataset",
+            "digits",
+            "--batch-size",
+            args.batch_size,
+            "--grad-accum-steps",
+            accum_steps,
+            "--lr",
+            lr,
+            "--warmup-steps",
+            warmup_steps,
+            "--epochs",
+            args.epochs,
+            "--seed",
+            args.seed,
+            "--metrics-file",
+            metrics_file,
+            nproc=args.nproc,
+        )
         metrics = json.loads(metrics_file.read_text())
     history = metrics["history"]
-    return {"name": name, "effective_batch": metrics["effective_batch_size"], "lr": lr, "warmup_steps": warmup_steps,
-            "optimizer_steps": sum(epoch["optimizer_steps"] for epoch in history),
-            "test_accuracy": [epoch["test_accuracy"] for epoch in history],
-            "train_loss": [epoch["train_loss"] for epoch in history]}
+    return {
+        "name": name,
+        "effective_batch": metrics["effective_batch_size"],
+        "lr": lr,
+        "warmup_steps": warmup_steps,
+        "optimizer_steps": sum(epoch["optimizer_steps"] for epoch in history),
+        "test_accuracy": [epoch["test_accuracy"] for epoch in history],
+        "train_loss": [epoch["train_loss"] for epoch in history],
+    }
 
 
 def main(args):
     k = args.accum_steps
     batches_per_rank = -(-DIGITS_TRAIN_SIZE // args.nproc // args.batch_size)
     steps_per_epoch = -(-batches_per_rank // k)
-    runs = [("baseline", 1, args.lr, 0), (f"{k}x batch, same lr", k, args.lr, 0),
-            (f"{k}x batch, {k}x lr", k, k * args.lr, 0),
-            (f"{k}x batch, {k}x lr, warm-up", k, k * args.lr, args.warmup_epochs * steps_per_epoch)]
-    print(f"digits, {args.nproc} processes, {args.batch_size} per process and micro-step, {args.epochs} epochs, "
-          f"seed {args.seed}")
+    runs = [
+        ("baseline", 1, args.lr, 0),
+        (f"{k}x batch, same lr", k, args.lr, 0),
+        (f"{k}x batch, {k}x lr", k, k * args.lr, 0),
+        (f"{k}x batch, {k}x lr, warm-up", k, k * args.lr, args.warmup_epochs * steps_per_epoch),
+    ]
+    print(
+        f"digits, {args.nproc} processes, {args.batch_size} per process and micro-step, {args.epochs} epochs, "
+        f"seed {args.seed}"
+    )
     print(f"{'run':>26} {'batch':>5} {'lr':>5} {'warm-up':>7} {'steps':>5} {'final acc':>9} {'best acc':>8}")
     results = []
     for name, accum_steps, lr, warmup_steps in runs:
         result = run(name, accum_steps, lr, warmup_steps, args)
         results.append(result)
-        print(f"{name:>26} {result['effective_batch']:>5} {lr:>5.2f} {warmup_steps:>7} {result['optimizer_steps']:>5} "
-              f"{result['test_accuracy'][-1]:>9.2%} {max(result['test_accuracy']):>8.2%}", flush=True)
+        print(
+            f"{name:>26} {result['effective_batch']:>5} {lr:>5.2f} {warmup_steps:>7} {result['optimizer_steps']:>5} "
+            f"{result['test_accuracy'][-1]:>9.2%} {max(result['test_accuracy']):>8.2%}",
+            flush=True,
+        )
     if args.results_file:
         args.results_file.parent.mkdir(parents=True, exist_ok=True)
         args.results_file.write_text(json.dumps(results, indent=2))

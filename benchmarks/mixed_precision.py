@@ -43,13 +43,18 @@ VARIANTS = ("fp32", "tf32", *(precision for precision in PRECISIONS if precision
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--model", choices=list(MODELS), default="simplecnn")
     parser.add_argument("--batch-size", type=positive_int, help="default: 256 on a GPU, 64 on a CPU")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed training steps per precision")
-    parser.add_argument("--precisions", nargs="+", choices=VARIANTS,
-                        help="default: fp32 tf32 bf16 fp16 on a GPU that has TF32, fp32 bf16 fp16 elsewhere")
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=VARIANTS,
+        help="default: fp32 tf32 bf16 fp16 on a GPU that has TF32, fp32 bf16 fp16 elsewhere",
+    )
     parser.add_argument("--rounds", type=positive_int, default=3, help="repeat the comparison, keep the fastest")
     parser.add_argument("--json", type=Path, help="also write the rows and the set-up to this file")
     return parser.parse_args(argv)
@@ -89,8 +94,9 @@ def saved_for_backward_mib(net, X, y, precision: str) -> float:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with torch.autocast(device_type=X.device.type, dtype=autocast_dtype(precision),
-                            enabled=precision in ("bf16", "fp16")):
+        with torch.autocast(
+            device_type=X.device.type, dtype=autocast_dtype(precision), enabled=precision in ("bf16", "fp16")
+        ):
             F.cross_entropy(net(X), y)  # the graph is dropped unused: this measures, it does not train
     return sum(saved.values()) / 2**20
 
@@ -109,8 +115,9 @@ def measure(model_name: str, precision: str, batch_size: int, steps: int, device
     y = torch.randint(0, 10, (batch_size,), device=device)
 
     def train_step():
-        with torch.autocast(device_type=device.type, dtype=autocast_dtype(precision),
-                            enabled=precision in ("bf16", "fp16")):
+        with torch.autocast(
+            device_type=device.type, dtype=autocast_dtype(precision), enabled=precision in ("bf16", "fp16")
+        ):
             loss = F.cross_entropy(net(X), y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -129,8 +136,13 @@ def measure(model_name: str, precision: str, batch_size: int, steps: int, device
         synchronize(device)
         step_seconds.append(time.perf_counter() - start)
     seconds = statistics.median(step_seconds)
-    return {"precision": precision, "samples_per_second": batch_size / seconds, "ms_per_step": 1000 * seconds,
-            "saved_mib": saved_mib, "peak_mib": peak_memory_mib(device)}
+    return {
+        "precision": precision,
+        "samples_per_second": batch_size / seconds,
+        "ms_per_step": 1000 * seconds,
+        "saved_mib": saved_mib,
+        "peak_mib": peak_memory_mib(device),
+    }
 
 
 # The CPU features that decide how fast bf16 and fp16 can be: AVX512_BF16 and AMX have bf16 dot products, AVX512_FP16
@@ -147,8 +159,10 @@ def describe_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
         return f"cpu capability {torch.backends.cpu.get_cpu_capability()}; cpu flags unknown (no {cpuinfo})"
     present = [flag for flag in SIXTEEN_BIT_CPU_FLAGS if flag in flags]
     absent = [flag for flag in SIXTEEN_BIT_CPU_FLAGS if flag not in flags]
-    return (f"cpu capability {torch.backends.cpu.get_cpu_capability()}; cpu flags present: {' '.join(present) or '-'}"
-            f"; absent: {' '.join(absent) or '-'}")
+    return (
+        f"cpu capability {torch.backends.cpu.get_cpu_capability()}; cpu flags present: {' '.join(present) or '-'}"
+        f"; absent: {' '.join(absent) or '-'}"
+    )
 
 
 def main(args):
@@ -161,8 +175,11 @@ def main(args):
         if precision != "tf32":
             check_precision(precision, device)  # a clear message now, not a silent fp32 row later
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    setup = (f"{args.model}, batch {batch_size}, median of {args.steps} steps after {WARMUP_STEPS} warm-up, best of "
-             f"{args.rounds} round(s), one process on {where}, PyTorch {torch.__version__}; peak = {memory_kind(device)}")
+    setup = (
+        f"{args.model}, batch {batch_size}, median of {args.steps} steps after {WARMUP_STEPS} warm-up, best of "
+        f"{args.rounds} round(s), one process on {where}, PyTorch {torch.__version__}; "
+        f"peak = {memory_kind(device)}"
+    )
     print(setup, flush=True)
     if device.type == "cpu":
         print(describe_cpu(), flush=True)
@@ -178,11 +195,14 @@ def main(args):
     for precision, row in best.items():
         row["vs_fp32"] = row["samples_per_second"] / best["fp32"]["samples_per_second"] if "fp32" in best else None
         speedup = "-" if row["vs_fp32"] is None else f"{row['vs_fp32']:.2f}x"
-        print(f"{precision:>9} {row['samples_per_second']:>10,.0f} {row['ms_per_step']:>8.1f} {speedup:>7} "
-              f"{row['saved_mib']:>9.1f} {row['peak_mib']:>8.0f}")
+        print(
+            f"{precision:>9} {row['samples_per_second']:>10,.0f} {row['ms_per_step']:>8.1f} {speedup:>7} "
+            f"{row['saved_mib']:>9.1f} {row['peak_mib']:>8.0f}"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"setup": setup, "batch_size": batch_size, "rows": list(best.values())},
-                                        indent=2))
+        args.json.write_text(
+            json.dumps({"setup": setup, "batch_size": batch_size, "rows": list(best.values())}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ COMMUNICATION_MARKS = ("nccl", "gloo", "c10d")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--model", choices=list(MODELS), default="simplecnn")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="per rank")
     parser.add_argument("--warmup", type=positive_int, default=3, help="steps before the profiler records")
@@ -82,18 +83,29 @@ def main(args):
         events = [event for event in prof.key_averages() if getattr(event, f"self_{clock}_time_total") > 0]
         events.sort(key=lambda event: getattr(event, f"self_{clock}_time_total"), reverse=True)
         total_us = sum(getattr(event, f"self_{clock}_time_total") for event in events)
-        communication_us = sum(getattr(event, f"self_{clock}_time_total") for event in events
-                               if is_communication(event.key))
+        communication_us = sum(
+            getattr(event, f"self_{clock}_time_total") for event in events if is_communication(event.key)
+        )
         # On a GPU, NCCL's kernels are device time like any other; gloo works on threads of its own, unrecorded
         share = communication_us / max(total_us, 1) if on_gpu else None
         where = torch.cuda.get_device_name(env.device) if on_gpu else "cpu"
-        setup = (f"{args.model}, batch {args.batch_size} per rank, DDP on {env.world_size} rank(s), {env.backend} on "
-                 f"{where}, PyTorch {torch.__version__}; {args.steps} profiled steps after {args.warmup} warm-up")
-        top = [{"op": event.key, "ms_per_step": getattr(event, f"self_{clock}_time_total") / 1000 / args.steps,
-                "calls_per_step": event.count / args.steps} for event in events[:args.rows]]
+        setup = (
+            f"{args.model}, batch {args.batch_size} per rank, DDP on {env.world_size} rank(s), {env.backend} on "
+            f"{where}, PyTorch {torch.__version__}; {args.steps} profiled steps after {args.warmup} warm-up"
+        )
+        top = [
+            {
+                "op": event.key,
+                "ms_per_step": getattr(event, f"self_{clock}_time_total") / 1000 / args.steps,
+                "calls_per_step": event.count / args.steps,
+            }
+            for event in events[: args.rows]
+        ]
         print0(setup)
-        print0(f"wall {ms_per_step:.2f} ms/step; self {clock} time {total_us / 1000 / args.steps:.2f} ms/step; "
-               + (f"NCCL kernels {share:.1%} of it" if on_gpu else "gloo's own threads are not in it"))
+        print0(
+            f"wall {ms_per_step:.2f} ms/step; self {clock} time {total_us / 1000 / args.steps:.2f} ms/step; "
+            + (f"NCCL kernels {share:.1%} of it" if on_gpu else "gloo's own threads are not in it")
+        )
         print0(f"{'ms/step':>8} {'calls':>5}  op (self {clock} time)")
         for row in top:
             print0(f"{row['ms_per_step']:>8.3f} {row['calls_per_step']:>5.0f}  {row['op'][:90]}")
@@ -101,10 +113,19 @@ def main(args):
             if args.trace:
                 prof.export_chrome_trace(str(args.trace))
             if args.json:
-                args.json.write_text(json.dumps(
-                    {"setup": setup, "clock": clock, "ms_per_step": ms_per_step,
-                     "self_time_ms_per_step": total_us / 1000 / args.steps,
-                     "communication_share": share, "top_ops": top}, indent=2))
+                args.json.write_text(
+                    json.dumps(
+                        {
+                            "setup": setup,
+                            "clock": clock,
+                            "ms_per_step": ms_per_step,
+                            "self_time_ms_per_step": total_us / 1000 / args.steps,
+                            "communication_share": share,
+                            "top_ops": top,
+                        },
+                        indent=2,
+                    )
+                )
     finally:
         teardown_distributed()
 

@@ -54,8 +54,11 @@ def docstring_commands(path) -> list[str]:
 
 def drill_command(path=SOLUTION) -> str:
     """The one documented command that restarts after a deliberate failure on a single machine."""
-    drills = [command for command in docstring_commands(path)
-              if "--max-restarts" in command and "--fail-at-step" in command and "--standalone" in command]
+    drills = [
+        command
+        for command in docstring_commands(path)
+        if "--max-restarts" in command and "--fail-at-step" in command and "--standalone" in command
+    ]
     if len(drills) != 1:
         raise SystemExit(f"expected one fault drill in {path}'s docstring, found {drills}")
     return drills[0]
@@ -75,8 +78,15 @@ def run_in_shell(command: str, folder, env, timeout: float) -> tuple[int | None,
     sessions of their own, out of reach of the group), then SIGKILL after 15 s. The output goes to a file, not a
     pipe, so that a worker left behind cannot keep this function waiting for the end of its output."""
     with tempfile.TemporaryFile("w+") as sink:
-        process = subprocess.Popen(["bash", "-c", command], cwd=folder, env=env, stdout=sink,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        process = subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=folder,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             status = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -135,11 +145,15 @@ def main(args) -> int:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--without-variable", action="store_true",
-                        help=f"drop {VARIABLE}=1 from the documented line (and from this environment)")
+    parser.add_argument(
+        "--without-variable",
+        action="store_true",
+        help=f"drop {VARIABLE}=1 from the documented line (and from this environment)",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
     parser.add_argument("--print-command", action="store_true", help="print the command that would run, and stop")
     return parser.parse_args(argv)

@@ -37,8 +37,9 @@ VARIANTS = ("no skip count", "get_scale after update", "get_scale before and aft
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if there is a GPU, else cpu")
     parser.add_argument("--model", choices=list(MODELS), default="lenet")
     parser.add_argument("--batch-size", type=positive_int, default=64)
@@ -106,9 +107,11 @@ def main(args):
         for _ in range(3):  # warm-up: kernels chosen, gradients and momentum allocated
             steps[variant]()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    print(f"{args.model}, batch {args.batch_size}, GradScaler, forward in "
-          f"{'fp16' if device.type == 'cuda' else 'fp32'}, SGD (non-fused), one process on {where}, "
-          f"PyTorch {torch.__version__}; median of {args.rounds} rounds of {args.steps} steps")
+    print(
+        f"{args.model}, batch {args.batch_size}, GradScaler, forward in "
+        f"{'fp16' if device.type == 'cuda' else 'fp32'}, SGD (non-fused), one process on {where}, "
+        f"PyTorch {torch.__version__}; median of {args.rounds} rounds of {args.steps} steps"
+    )
 
     items = {}
     for variant in VARIANTS:
@@ -130,9 +133,11 @@ def main(args):
     base = statistics.median(rounds["no skip count"])
     for variant in VARIANTS:
         median = statistics.median(rounds[variant])
-        print(f"{variant:>27} {items[variant]:>16} {median * 1e3:>8.3f} "
-              f"{min(rounds[variant]) * 1e3:>7.3f}-{max(rounds[variant]) * 1e3:<7.3f} "
-              f"{(median - base) * 1e3:>+14.3f} ms")
+        print(
+            f"{variant:>27} {items[variant]:>16} {median * 1e3:>8.3f} "
+            f"{min(rounds[variant]) * 1e3:>7.3f}-{max(rounds[variant]) * 1e3:<7.3f} "
+            f"{(median - base) * 1e3:>+14.3f} ms"
+        )
 
     scaler = torch.amp.GradScaler(device.type)
     scaler.scale(torch.ones((), device=device))  # creates the scale tensor on the device
@@ -142,8 +147,10 @@ def main(args):
         for _ in range(1000):
             scaler.get_scale()
         calls.append((time.perf_counter() - start) / 1000)
-    print(f"one get_scale() with nothing queued: {statistics.median(calls) * 1e6:.1f} us "
-          f"(spread {min(calls) * 1e6:.1f}-{max(calls) * 1e6:.1f})")
+    print(
+        f"one get_scale() with nothing queued: {statistics.median(calls) * 1e6:.1f} us "
+        f"(spread {min(calls) * 1e6:.1f}-{max(calls) * 1e6:.1f})"
+    )
 
 
 if __name__ == "__main__":

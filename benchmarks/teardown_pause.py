@@ -55,13 +55,21 @@ def worker(steps: int) -> None:
 def one_run(pause: str, args) -> tuple[str, float]:
     """Launch the job once; return its outcome ("clean", "abort" or "other failure") and its wall time."""
     start = time.monotonic()
-    run = launch(__file__, "--worker", "--steps", args.steps, nproc=args.nproc, check=False, timeout=300,
-                 env_extra={PAUSE_VARIABLE: pause, "OMP_NUM_THREADS": "1"})
+    run = launch(
+        __file__,
+        "--worker",
+        "--steps",
+        args.steps,
+        nproc=args.nproc,
+        check=False,
+        timeout=300,
+        env_extra={PAUSE_VARIABLE: pause, "OMP_NUM_THREADS": "1"},
+    )
     return outcome(run.returncode, run.stderr), time.monotonic() - start
 
 
 def outcome(returncode: int, stderr: str) -> str:
-    """"abort" when a process aborted or died by a signal, else "clean" or "other failure" by the exit code."""
+    """ "abort" when a process aborted or died by a signal, else "clean" or "other failure" by the exit code."""
     # torchrun reports a child killed by a signal with a negative exit code: "exitcode  : -6 (pid: ...) (SIGABRT)".
     if "terminate called" in stderr or "exitcode  : -" in stderr:
         return "abort"
@@ -71,22 +79,29 @@ def outcome(returncode: int, stderr: str) -> str:
 def report(outcomes: dict, seconds: dict) -> None:
     from scipy.stats import binomtest, fisher_exact
 
-    print(f"{'condition':<11} {'runs':>5} {'aborts':>6} {'other':>5} {'abort rate':>10} {'95% CI (exact)':>16} "
-          f"{'median s/run':>12}")
+    print(
+        f"{'condition':<11} {'runs':>5} {'aborts':>6} {'other':>5} {'abort rate':>10} {'95% CI (exact)':>16} "
+        f"{'median s/run':>12}"
+    )
     table = []
     for name in CONDITIONS:
         runs, aborts = len(outcomes[name]), outcomes[name].count("abort")
         other = outcomes[name].count("other failure")
         interval = binomtest(aborts, runs).proportion_ci(confidence_level=0.95, method="exact")
-        print(f"{name:<11} {runs:>5} {aborts:>6} {other:>5} {aborts / runs:>10.1%} "
-              f"{f'{interval.low:.1%} - {interval.high:.1%}':>16} {statistics.median(seconds[name]):>12.2f}")
+        print(
+            f"{name:<11} {runs:>5} {aborts:>6} {other:>5} {aborts / runs:>10.1%} "
+            f"{f'{interval.low:.1%} - {interval.high:.1%}':>16} {statistics.median(seconds[name]):>12.2f}"
+        )
         table.append([aborts, runs - aborts])
     print(f"Fisher's exact test, two-sided: p = {fisher_exact(table).pvalue:.3g}")
 
 
 def main(args):
-    print(f"{args.nproc} processes per run, gloo on CPU, {args.steps} DDP steps then replicas_in_sync, "
-          f"conditions alternating run by run", flush=True)
+    print(
+        f"{args.nproc} processes per run, gloo on CPU, {args.steps} DDP steps then replicas_in_sync, "
+        f"conditions alternating run by run",
+        flush=True,
+    )
     outcomes = {name: [] for name in CONDITIONS}
     seconds = {name: [] for name in CONDITIONS}
     deadline = time.monotonic() + args.minutes * 60 if args.minutes else float("inf")
@@ -99,8 +114,11 @@ def main(args):
             seconds[name].append(took)
         pair += 1
         if args.progress and pair % args.progress == 0:
-            print(f"after {pair} runs each: aborts with pause {outcomes['with pause'].count('abort')}, "
-                  f"without {outcomes['without'].count('abort')}", flush=True)
+            print(
+                f"after {pair} runs each: aborts with pause {outcomes['with pause'].count('abort')}, "
+                f"without {outcomes['without'].count('abort')}",
+                flush=True,
+            )
     report(outcomes, seconds)
 
 

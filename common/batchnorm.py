@@ -104,8 +104,9 @@ def synchronize_batch_norms(model: nn.Module) -> nn.Module:
     """
     for name, child in model.named_children():
         if type(child) is nn.BatchNorm2d:
-            synchronized = SynchronizedBatchNorm2d(child.num_features, child.eps, child.momentum, child.affine,
-                                                   child.track_running_stats)
+            synchronized = SynchronizedBatchNorm2d(
+                child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats
+            )
             synchronized.load_state_dict(child.state_dict(), assign=True)  # the same tensors, on their device
             synchronized.train(child.training)
             setattr(model, name, synchronized)
@@ -143,13 +144,16 @@ def batch_norm_across_ranks(env) -> dict:
     for name, convert in conversions.items():
         # run_on_ranks joins the ranks with gloo on CPU; gloo also carries CUDA tensors, so two processes can
         # share one GPU here.
-        device = torch.device("cuda", env.local_rank % torch.cuda.device_count()) if name == "sync_batchnorm" \
-            else env.device
+        device = (
+            torch.device("cuda", env.local_rank % torch.cuda.device_count()) if name == "sync_batchnorm" else env.device
+        )
         set_seed(0)  # the same initial weights on every rank and for every variant
         model = convert(SimpleCNN()).to(device)
         features = model.features(X.to(device))  # training mode: BatchNorm normalises with batch statistics
-        results[name] = {"features": features.detach().cpu(),
-                         "buffers": {key: value.cpu() for key, value in model.named_buffers()}}
+        results[name] = {
+            "features": features.detach().cpu(),
+            "buffers": {key: value.cpu() for key, value in model.named_buffers()},
+        }
     return results
 
 
@@ -181,8 +185,11 @@ def batch_norm_statistics_through_ddp(env, steps: int = 3) -> dict:
     eval mode, without gradients, through the DDP wrapper (as ``common.metrics.evaluate(net, ...)`` runs it).
     Also reports the error of wrapping an ``nn.SyncBatchNorm`` on CPU in DDP.
     """
-    variants = {"forward_sync_buffers=True": (True, False), "forward_sync_buffers=False": (False, False),
-                "synchronized (common/batchnorm.py)": (True, True)}
+    variants = {
+        "forward_sync_buffers=True": (True, False),
+        "forward_sync_buffers=False": (False, False),
+        "synchronized (common/batchnorm.py)": (True, True),
+    }
     results = {}
     for name, (forward_sync_buffers, synchronized) in variants.items():
         set_seed(0)

@@ -44,15 +44,15 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, ep
     reading the file) before it exists. Rank 0 alone, not "local rank 0", which would write once per node.
     """
     if is_main():
-        state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                 "epoch": epoch, "step": step}
+        state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step}
         atomic_write(path, lambda file: torch.save(state, file))
     if dist.is_initialized():
         dist.barrier()
 
 
-def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    device: torch.device | str = "cpu") -> dict:
+def load_checkpoint(
+    path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, device: torch.device | str = "cpu"
+) -> dict:
     """Load a checkpoint into ``model`` (and ``optimizer``) on every rank; return its ``epoch`` and ``step``.
 
     ``weights_only=True`` refuses to unpickle arbitrary objects, so a checkpoint file can't run code.
@@ -62,4 +62,3 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     return {"epoch": state["epoch"], "step": state["step"]}
-

@@ -91,8 +91,11 @@ def hand_made_all_reduces(env, size: int = 10) -> dict:
     data = torch.arange(size, dtype=torch.float64) * (env.rank + 1)
     expected = data.clone()
     dist.all_reduce(expected)
-    return {"naive": torch.equal(naive_all_reduce(data.clone()), expected),
-            "ring": torch.equal(ring_all_reduce(data.clone()), expected), "sum": expected[:4].tolist()}
+    return {
+        "naive": torch.equal(naive_all_reduce(data.clone()), expected),
+        "ring": torch.equal(ring_all_reduce(data.clone()), expected),
+        "sum": expected[:4].tolist(),
+    }
 
 
 def all_reduce_gradients(model: nn.Module, all_reduce=dist.all_reduce) -> None:
@@ -107,7 +110,7 @@ def all_reduce_gradients(model: nn.Module, all_reduce=dist.all_reduce) -> None:
     bucket /= dist.get_world_size()  # sum, then divide: any backend, any version
     offset = 0
     for g in grads:
-        g.copy_(bucket[offset: offset + g.numel()].view_as(g))  # in place: the optimizer holds these tensors
+        g.copy_(bucket[offset : offset + g.numel()].view_as(g))  # in place: the optimizer holds these tensors
         offset += g.numel()
 
 
@@ -175,6 +178,7 @@ def count_messages():
             else:
                 count.receives, count.bytes_received = count.receives + 1, count.bytes_received + size
             return original(tensor, *args, **kwargs)
+
         return wrapper
 
     for name, original in originals.items():

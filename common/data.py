@@ -77,8 +77,9 @@ def _read_digits():
 
     spec = importlib.util.find_spec("sklearn")  # finds the installed package without importing it
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigurationError("error: --dataset digits reads scikit-learn's bundled digits: "
-                                 "pip install scikit-learn")
+        raise ConfigurationError(
+            "error: --dataset digits reads scikit-learn's bundled digits: pip install scikit-learn"
+        )
     path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz"
     table = np.loadtxt(path, delimiter=",")  # one row per image: 64 pixels, then the label
     return table[:, :-1], table[:, -1].astype(np.int64)
@@ -126,8 +127,12 @@ def _torchvision(name, data_dir, input_shape, download) -> DataSplits:
         )
     except (OSError, RuntimeError) as error:  # URLError is an OSError; torchvision raises RuntimeError too
         reason = " ".join(line.strip() for line in str(error).splitlines() if line.strip())[:300]
-        not_downloading = ("" if download else " (only global rank 0 downloads: without a shared file system, "
-                                               "put the files into --data-dir on every node)")
+        not_downloading = (
+            ""
+            if download
+            else " (only global rank 0 downloads: without a shared file system, "
+            "put the files into --data-dir on every node)"
+        )
         raise ConfigurationError(
             f"error: could not load data set {name!r} from --data-dir {data_dir!r}{not_downloading}: {reason}\n"
             f"If this machine is offline, train on scikit-learn's bundled digits with --dataset digits, "
@@ -157,8 +162,16 @@ class TensorBatchLoader:
             yield tuple(tensor[batch_indices] for tensor in self.dataset.tensors)
 
 
-def make_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, train: bool, seed: int = 0,
-                num_workers: int = 0, pin_memory: bool = False):
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    train: bool,
+    seed: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+):
     """A loader over this rank's shard of ``dataset``, ``batch_size`` samples per batch on this rank.
 
     Training shuffles with ``seed``; call ``loader.sampler.set_epoch(epoch)`` every epoch, or every epoch
@@ -176,8 +189,15 @@ def make_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int, t
     # did (persistent workers draw once, at the first epoch iterated), so with the global RNG the two runs'
     # dropout masks differ from the resume on, and the resumed run cannot end bit-identical.
     generator = torch.Generator().manual_seed(seed + rank)  # per rank, as set_seed(seed, rank) would
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=num_workers > 0, generator=generator)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        generator=generator,
+    )
 
 
 class FirstBatches:

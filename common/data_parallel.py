@@ -45,7 +45,7 @@ def data_parallel_forward(module: nn.Module, X: torch.Tensor, devices: list) -> 
     """The forward pass of ``nn.DataParallel(module, device_ids=devices)``, by hand; the output is on
     ``devices[0]``. Several entries of ``devices`` may name the same device, to show the steps on a CPU."""
     chunks = [chunk.to(device) for chunk, device in zip(X.chunk(len(devices)), devices)]  # 1. scatter
-    replicas = [replicate(module, device) for device in devices[:len(chunks)]]  # 2. replicate (autograd sees it)
+    replicas = [replicate(module, device) for device in devices[: len(chunks)]]  # 2. replicate (autograd sees it)
 
     def run_replica(replica, chunk):
         shell, tensors = replica

@@ -50,15 +50,21 @@ def ddp_buckets(env, configurations: dict, widths=(256,) * 7, steps: int = 2) ->
         model = nn.Sequential(*(nn.Linear(n_in, n_out) for n_in, n_out in zip(widths[:-1], widths[1:])))
         names = {parameter: key for key, parameter in model.named_parameters()}
         ready_order = []
-        handles = [parameter.register_post_accumulate_grad_hook(lambda p: ready_order.append(names[p]))
-                   for parameter in model.parameters()]
+        handles = [
+            parameter.register_post_accumulate_grad_hook(lambda p: ready_order.append(names[p]))
+            for parameter in model.parameters()
+        ]
         net = DDP(model, **ddp_kwargs)
         buckets_per_step = []
 
         def record_then_all_reduce(state, bucket):
-            buckets_per_step[-1].append({"index": bucket.index(),
-                                         "parameters": [names[p] for p in bucket.parameters()],
-                                         "bytes": bucket.buffer().numel() * bucket.buffer().element_size()})
+            buckets_per_step[-1].append(
+                {
+                    "index": bucket.index(),
+                    "parameters": [names[p] for p in bucket.parameters()],
+                    "bytes": bucket.buffer().numel() * bucket.buffer().element_size(),
+                }
+            )
             return allreduce_hook(None, bucket)  # the default group; divides by the world size, as DDP does
 
         net.register_comm_hook(None, record_then_all_reduce)
@@ -68,16 +74,24 @@ def ddp_buckets(env, configurations: dict, widths=(256,) * 7, steps: int = 2) ->
             if step == 0:
                 for handle in handles:
                     handle.remove()
-        results[name] = {"steps": buckets_per_step, "ready_order": ready_order,
-                         "bucket_cap_bytes": net.bucket_bytes_cap}
+        results[name] = {
+            "steps": buckets_per_step,
+            "ready_order": ready_order,
+            "bucket_cap_bytes": net.bucket_bytes_cap,
+        }
     return results
 
 
 def uneven_batches(rank: int, batch_size: int = 8) -> list:
     """Rank ``rank``'s batches for the uneven-inputs demo: ``4 - rank`` random batches of LeNet inputs and labels."""
     generator = torch.Generator().manual_seed(rank)
-    return [(torch.randn(batch_size, 1, 28, 28, generator=generator),
-             torch.randint(0, 10, (batch_size,), generator=generator)) for _ in range(4 - rank)]
+    return [
+        (
+            torch.randn(batch_size, 1, 28, 28, generator=generator),
+            torch.randint(0, 10, (batch_size,), generator=generator),
+        )
+        for _ in range(4 - rank)
+    ]
 
 
 def train_on_uneven_inputs(env, use_join: bool, lr: float = 0.1) -> dict:

@@ -24,8 +24,11 @@ def collective_mistakes(env, timeout_s: float) -> dict:
     waits for all ranks at a monitored barrier and compares their collectives' fingerprints.
     """
     results = {}
-    for case, level in (("skipped", dist.DebugLevel.OFF), ("skipped, DETAIL", dist.DebugLevel.DETAIL),
-                        ("mismatched shapes, DETAIL", dist.DebugLevel.DETAIL)):
+    for case, level in (
+        ("skipped", dist.DebugLevel.OFF),
+        ("skipped, DETAIL", dist.DebugLevel.DETAIL),
+        ("mismatched shapes, DETAIL", dist.DebugLevel.DETAIL),
+    ):
         dist.set_debug_level(level)
         group = dist.new_group(timeout=timedelta(seconds=timeout_s))  # wrapped if the level is DETAIL
         started = time.monotonic()

@@ -86,8 +86,9 @@ def choose_backend(requested: str = "auto", local_world_size: int = 1) -> str:
     return requested
 
 
-def setup_distributed(backend: str = "auto", timeout: timedelta = timedelta(minutes=10),
-                      init_method: str | None = None) -> DistEnv:
+def setup_distributed(
+    backend: str = "auto", timeout: timedelta = timedelta(minutes=10), init_method: str | None = None
+) -> DistEnv:
     """Join the process group described by torchrun's environment variables and pick this process's device.
 
     Run under ``torchrun`` it reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``; run with

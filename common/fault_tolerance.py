@@ -105,10 +105,12 @@ def rng_state() -> dict:
     ``torch.load(weights_only=True)`` accepts: tensors, numbers, lists."""
     kind, keys, position, has_gauss, cached = np.random.get_state()
     version, python_state, gauss = random.getstate()
-    return {"python": [version, list(python_state), gauss],
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": [version, list(python_state), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(state: dict) -> None:

@@ -29,8 +29,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -40,8 +44,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from common.checkpoint import atomic_write, unwrap
 from common.distributed import is_main, print0
 from common.launch import load_script
-from common.memory import (local_bytes, peak_memory_mib, reset_peak_memory, training_state_bytes,
-                           zero_bytes_per_rank)
+from common.memory import local_bytes, peak_memory_mib, reset_peak_memory, training_state_bytes, zero_bytes_per_rank
 from common.models import DeepMLP
 
 SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "03_fsdp.py"  # lesson 06's shard_model and checkpoints
@@ -53,13 +56,24 @@ STRATEGIES = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full", "fsdp-full-root-resha
 
 def sharding_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add lesson 06's options to ``parser``: how to shard, in which precision, offloaded or not, and checkpoints."""
-    parser.add_argument("--sharding", choices=SHARDING, default="full",
-                        help="full (FSDP1's FULL_SHARD, ZeRO-3): free each block's gathered parameters after its "
-                             "forward; grad-op (SHARD_GRAD_OP): keep them until its backward; none: DDP, ZeRO stage 0")
-    parser.add_argument("--precision", choices=FSDP_PRECISIONS, default="fp32",
-                        help="bf16: compute in bf16 (MixedPrecisionPolicy); shards and optimizer stay fp32")
-    parser.add_argument("--cpu-offload", action="store_true",
-                        help="keep shards, gradients and Adam's states in CPU memory (CPUOffloadPolicy)")
+    parser.add_argument(
+        "--sharding",
+        choices=SHARDING,
+        default="full",
+        help="full (FSDP1's FULL_SHARD, ZeRO-3): free each block's gathered parameters after its "
+        "forward; grad-op (SHARD_GRAD_OP): keep them until its backward; none: DDP, ZeRO stage 0",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=FSDP_PRECISIONS,
+        default="fp32",
+        help="bf16: compute in bf16 (MixedPrecisionPolicy); shards and optimizer stay fp32",
+    )
+    parser.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="keep shards, gradients and Adam's states in CPU memory (CPUOffloadPolicy)",
+    )
     parser.add_argument("--checkpoint-dir", type=Path, help="save a sharded (DCP) checkpoint here after every epoch")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     return parser
@@ -147,8 +161,9 @@ def epoch_checkpoint_dir(checkpoint_dir, epoch: int) -> Path:
 
 def latest_checkpoint(checkpoint_dir) -> Path | None:
     """The newest complete checkpoint folder in ``checkpoint_dir``, or ``None``."""
-    found = sorted(path for path in Path(checkpoint_dir).glob("epoch-[0-9][0-9][0-9][0-9]")
-                   if (path / ".metadata").exists())
+    found = sorted(
+        path for path in Path(checkpoint_dir).glob("epoch-[0-9][0-9][0-9][0-9]") if (path / ".metadata").exists()
+    )
     return found[-1] if found else None
 
 
@@ -163,8 +178,10 @@ def save_sharded_checkpoint(path, net: nn.Module, optimizer: torch.optim.Optimiz
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     model_state, optimizer_state = get_state_dict(net, optimizer)  # DTensor shards, keyed by parameter name
-    dcp.save({"model": model_state, "optimizer": optimizer_state, "progress": {"epoch": epoch, "step": step}},
-             checkpoint_id=partial)
+    dcp.save(
+        {"model": model_state, "optimizer": optimizer_state, "progress": {"epoch": epoch, "step": step}},
+        checkpoint_id=partial,
+    )
     dist.barrier()  # all shards are on disk
     if is_main():
         shutil.rmtree(path, ignore_errors=True)
@@ -211,17 +228,22 @@ def report_model_state(env, num_parameters: int, sharding: str, state_bytes: dic
     dist.all_gather_object(per_rank, mine)
     stage = 0 if sharding == "none" else 3
     predicted = zero_bytes_per_rank(num_parameters, env.world_size, stage)
-    print0(f"{num_parameters:,} parameters; model state per rank, MB (predicted for ZeRO stage {stage}: "
-           f"{predicted['total'] / 1e6:.2f})")
+    print0(
+        f"{num_parameters:,} parameters; model state per rank, MB (predicted for ZeRO stage {stage}: "
+        f"{predicted['total'] / 1e6:.2f})"
+    )
     for row in per_rank if state_bytes else []:  # a resumed run with no epoch left trained nothing
-        print0(f"  rank {row['rank']}: parameters {row['parameters'] / 1e6:.2f}, gradients "
-               f"{row['gradients'] / 1e6:.2f}, optimizer {row['optimizer'] / 1e6:.2f}, total {row['total'] / 1e6:.2f}"
-               f" | held between forward and backward {row['parameters_after_forward'] / 1e6:.2f}")
+        print0(
+            f"  rank {row['rank']}: parameters {row['parameters'] / 1e6:.2f}, gradients "
+            f"{row['gradients'] / 1e6:.2f}, optimizer {row['optimizer'] / 1e6:.2f}, total {row['total'] / 1e6:.2f}"
+            f" | held between forward and backward {row['parameters_after_forward'] / 1e6:.2f}"
+        )
     return {"predicted_bytes_per_rank": predicted, "memory_per_rank": per_rank}
 
 
-def measure_model_state(env, strategy: str, script=SOLUTION, width: int = 512, depth: int = 4,
-                        batch_size: int = 32) -> dict:
+def measure_model_state(
+    env, strategy: str, script=SOLUTION, width: int = 512, depth: int = 4, batch_size: int = 32
+) -> dict:
     """Apply ``strategy`` to a ``DeepMLP``, take one Adam step, and return what this rank holds and gathers.
 
     ``strategy``: ``ddp`` (every rank a replica, ZeRO stage 0), ``zero1`` (DDP with
@@ -256,6 +278,7 @@ def measure_model_state(env, strategy: str, script=SOLUTION, width: int = 512, d
         # CommDebugMode's module tracker makes module outputs views, and FSDP2 warns about views (an in-place op
         # on one would skip its all-gather); nothing here writes to them.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
         def sample(grad):  # when the gradient reaches the head's input: the head's backward, the first, has run
             held.setdefault("backward_start", local_bytes(net.parameters()))
 
@@ -267,8 +290,11 @@ def measure_model_state(env, strategy: str, script=SOLUTION, width: int = 512, d
         held["after_forward"] = local_bytes(net.parameters())  # gathered units count whole, resharded as shards
         F.cross_entropy(output, y).backward()
         optimizer.step()
-    result = {**training_state_bytes(net, optimizer), **held,
-              "all_gathers": comm.get_comm_counts()[torch.ops.c10d._allgather_base_]}
+    result = {
+        **training_state_bytes(net, optimizer),
+        **held,
+        "all_gathers": comm.get_comm_counts()[torch.ops.c10d._allgather_base_],
+    }
     if env.device.type == "cuda":
         result["cuda_peak_mib"] = torch.cuda.max_memory_allocated(env.device) / 2**20
     return result

@@ -37,8 +37,9 @@ def torchrun_command(script, *args, nproc: int = 2) -> list[str]:
     return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(script), *map(str, args)]
 
 
-def launch(script, *args, nproc: int = 2, env_extra=None, timeout: float | None = None,
-           check: bool = True) -> subprocess.CompletedProcess:
+def launch(
+    script, *args, nproc: int = 2, env_extra=None, timeout: float | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run ``torchrun_command(script, *args, nproc=nproc)`` in the repository's folder; return the finished
     process, its standard output and error captured as text.
 
@@ -46,8 +47,14 @@ def launch(script, *args, nproc: int = 2, env_extra=None, timeout: float | None 
     with the end of the standard error, where the ranks' tracebacks are. ``timeout``: seconds before
     ``subprocess.TimeoutExpired`` (none by default).
     """
-    run = subprocess.run(torchrun_command(script, *args, nproc=nproc), cwd=REPO, capture_output=True, text=True,
-                         env={**os.environ, **(env_extra or {})}, timeout=timeout)
+    run = subprocess.run(
+        torchrun_command(script, *args, nproc=nproc),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env_extra or {})},
+        timeout=timeout,
+    )
     if check and run.returncode != 0:
         raise RuntimeError(f"torchrun {script} exited with status {run.returncode}:\n{run.stderr[-2000:]}")
     return run
@@ -88,12 +95,16 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 60.0):
         errors = sorted(tmp.glob("rank*.error"), key=lambda path: path.stat().st_mtime_ns)
         # A rank killed by a signal (an abort inside a backend) writes no error file: name it too, or the
         # first file would look like the cause when it is only a peer losing its connection.
-        silent = {rank: process.exitcode for rank, process in enumerate(processes)
-                  if process.exitcode not in (0, None) and not (tmp / f"rank{rank}.error").exists()}
+        silent = {
+            rank: process.exitcode
+            for rank, process in enumerate(processes)
+            if process.exitcode not in (0, None) and not (tmp / f"rank{rank}.error").exists()
+        }
         if errors:
             killed = f"rank(s) that died without a Python error (exit codes): {silent}\n" if silent else ""
-            raise RuntimeError(f"{len(errors)} rank(s) failed; {killed}"
-                               f"the first Python error:\n{errors[0].read_text()}")
+            raise RuntimeError(
+                f"{len(errors)} rank(s) failed; {killed}the first Python error:\n{errors[0].read_text()}"
+            )
         if hung and time.monotonic() >= deadline:
             raise TimeoutError(f"rank(s) {hung} of {world_size} still running after {timeout:.0f} s: a hang?")
         failed = {rank: process.exitcode for rank, process in enumerate(processes) if process.exitcode != 0}
@@ -120,12 +131,12 @@ def _worker(fn, rank, world_size, tmp, args, timeout):
 
     from common.distributed import setup_distributed, teardown_distributed
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+    )
     torch.set_num_threads(1)  # N processes on a few cores: one thread each avoids oversubscription
     try:
-        env = setup_distributed("gloo", timeout=timedelta(seconds=timeout),
-                                init_method=(tmp / "store").as_uri())
+        env = setup_distributed("gloo", timeout=timedelta(seconds=timeout), init_method=(tmp / "store").as_uri())
         torch.save(fn(env, *args), tmp / f"rank{rank}.pt")
     except BaseException:
         # Written before leaving the group: the moment this rank leaves, its peers fail too, and the

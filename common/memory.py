@@ -29,8 +29,12 @@ BYTES_PER_PARAMETER = {
     # ZeRO's mixed-precision Adam: fp16/bf16 value and gradient; fp32 master weights, exp_avg, exp_avg_sq
     "mixed": {"parameters": 2, "gradients": 2, "optimizer": 12},
 }
-SHARDED_BY_STAGE = {0: (), 1: ("optimizer",), 2: ("optimizer", "gradients"),
-                    3: ("optimizer", "gradients", "parameters")}
+SHARDED_BY_STAGE = {
+    0: (),
+    1: ("optimizer",),
+    2: ("optimizer", "gradients"),
+    3: ("optimizer", "gradients", "parameters"),
+}
 
 
 def bytes_per_parameter(precision: str = "fp32") -> dict:
@@ -56,8 +60,10 @@ def zero_bytes_per_rank(num_parameters: int, world_size: int, stage: int, precis
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, not {world_size}")
     per_parameter = bytes_per_parameter(precision)
-    figures = {part: num_parameters * per_parameter[part] / (world_size if part in SHARDED_BY_STAGE[stage] else 1)
-               for part in ("parameters", "gradients", "optimizer")}
+    figures = {
+        part: num_parameters * per_parameter[part] / (world_size if part in SHARDED_BY_STAGE[stage] else 1)
+        for part in ("parameters", "gradients", "optimizer")
+    }
     return {**figures, "total": sum(figures.values())}
 
 
@@ -89,8 +95,11 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     partition of the optimizer states exists.
     """
     parameters = list(model.parameters())
-    figures = {"parameters": local_bytes(parameters), "gradients": local_bytes(p.grad for p in parameters),
-               "optimizer": local_bytes(optimizer_state_tensors(optimizer))}
+    figures = {
+        "parameters": local_bytes(parameters),
+        "gradients": local_bytes(p.grad for p in parameters),
+        "optimizer": local_bytes(optimizer_state_tensors(optimizer)),
+    }
     return {**figures, "total": sum(figures.values())}
 
 

@@ -79,7 +79,9 @@ def run_summary(history: list[dict], env, **details) -> dict:
         "samples_per_second": sum(epoch["samples"] for epoch in history) / seconds if seconds else None,
         "epoch_times": [epoch["seconds"] for epoch in history],
         "epochs_run": [epoch["epoch"] for epoch in history],
-        "world_size": env.world_size, "backend": env.backend, "device": str(env.device),
+        "world_size": env.world_size,
+        "backend": env.backend,
+        "device": str(env.device),
         "torch_version": torch.__version__,
         **details,
         "history": history,
@@ -143,5 +145,9 @@ def time_training_steps(net: nn.Module, batches, device: torch.device, warmup_st
         raise ValueError(f"{len(batches)} batch(es) leave no step to time after {warmup_steps} warm-up step(s)")
     for each in (device, *other_devices):
         synchronize(each)  # the clock stops when the last kernel has run, not when Python queued it
-    return {"seconds": time.perf_counter() - start, "samples": samples, "steps": steps,
-            "peak_memory_mib": peak_memory_mib(device)}
+    return {
+        "seconds": time.perf_counter() - start,
+        "samples": samples,
+        "steps": steps,
+        "peak_memory_mib": peak_memory_mib(device),
+    }

@@ -19,11 +19,18 @@ class LeNet(nn.Module):
     def __init__(self, in_channels: int = 1, num_classes: int = 10):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 20, kernel_size=3), nn.ReLU(), nn.AvgPool2d(2),
-            nn.Conv2d(20, 50, kernel_size=5), nn.ReLU(), nn.AvgPool2d(2),
+            nn.Conv2d(in_channels, 20, kernel_size=3),
+            nn.ReLU(),
+            nn.AvgPool2d(2),
+            nn.Conv2d(20, 50, kernel_size=5),
+            nn.ReLU(),
+            nn.AvgPool2d(2),
         )
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(50 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, num_classes),
+            nn.Flatten(),
+            nn.Linear(50 * 4 * 4, 128),
+            nn.ReLU(),
+            nn.Linear(128, num_classes),
         )
 
     def forward(self, X):
@@ -47,7 +54,11 @@ class SimpleCNN(nn.Module):
 
         self.features = nn.Sequential(*block(in_channels, 64), *block(64, 128), *block(128, 256))
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(256 * 4 * 4, 512), nn.ReLU(), nn.Dropout(0.5), nn.Linear(512, num_classes),
+            nn.Flatten(),
+            nn.Linear(256 * 4 * 4, 512),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.Linear(512, num_classes),
         )
 
     def forward(self, X):

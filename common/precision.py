@@ -30,8 +30,9 @@ def check_precision(precision: str, device: torch.device) -> None:
             warnings.simplefilter("ignore")  # the warning says "disabling"; the error below says what to do
             try:
                 with torch.autocast(device_type=device.type, dtype=dtype):
-                    supported = (torch.is_autocast_enabled(device.type)
-                                 and torch.get_autocast_dtype(device.type) == dtype)
+                    supported = (
+                        torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == dtype
+                    )
             except RuntimeError:  # some devices refuse a dtype outright (bf16 on a pre-Ampere GPU, in some versions)
                 supported = False
             if supported and precision == "fp16":

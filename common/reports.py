@@ -38,9 +38,11 @@ def plot_bus_bandwidth(rows: list[dict], path, title: str) -> None:
 def describe_comparison(result: dict) -> str:
     """One line for one mode's result: processes, devices, samples/s and peak memory per device."""
     memory = ", ".join(f"{mib:,.0f}" for mib in result["peak_memory_mib"])
-    return (f"{result['mode']:>12}: {result['processes']} process(es) on {len(result['devices'])} device(s), "
-            f"{result['samples_per_second']:,.0f} samples/s, peak memory per device [{memory}] MiB "
-            f"({result['memory_kind']})")
+    return (
+        f"{result['mode']:>12}: {result['processes']} process(es) on {len(result['devices'])} device(s), "
+        f"{result['samples_per_second']:,.0f} samples/s, peak memory per device [{memory}] MiB "
+        f"({result['memory_kind']})"
+    )
 
 
 def write_comparison(folder: Path, results: list[dict], skipped: str | None, setting: dict, where: str) -> None:
@@ -49,15 +51,22 @@ def write_comparison(folder: Path, results: list[dict], skipped: str | None, set
     ``folder``. ``setting`` names the ``model`` and ``global_batch_size``; ``where``, say ``"gloo on cpu"``, goes
     into the plot's title. Call on one process."""
     folder.mkdir(parents=True, exist_ok=True)
-    setting = {**setting, "torch_version": torch.__version__,
-               "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    setting = {
+        **setting,
+        "torch_version": torch.__version__,
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
     write_json(folder / "results.json", {**setting, "results": results, "dataparallel_skipped": skipped})
-    lines = ["| mode | processes | devices | samples/s | peak memory per device (MiB) | memory measured as |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | processes | devices | samples/s | peak memory per device (MiB) | memory measured as |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         memory = ", ".join(f"{mib:,.0f}" for mib in r["peak_memory_mib"])
-        lines.append(f"| {r['mode']} | {r['processes']} | {', '.join(r['devices'])} | "
-                     f"{r['samples_per_second']:,.0f} | {memory} | {r['memory_kind']} |")
+        lines.append(
+            f"| {r['mode']} | {r['processes']} | {', '.join(r['devices'])} | "
+            f"{r['samples_per_second']:,.0f} | {memory} | {r['memory_kind']} |"
+        )
     if skipped:
         lines.append(f"\nDataParallel skipped: {skipped}")
     (folder / "results.md").write_text("\n".join(lines) + "\n")
@@ -71,7 +80,7 @@ def _plot_comparison(results: list[dict], path: Path, title: str, skipped: str |
     figure = Figure(figsize=(10, 3.8), layout="constrained")
     speed_axes, memory_axes = figure.subplots(1, 2)
     modes = [r["mode"] for r in results]
-    speed_axes.bar(modes, [r["samples_per_second"] for r in results], color=["tab:blue", "tab:orange"][:len(modes)])
+    speed_axes.bar(modes, [r["samples_per_second"] for r in results], color=["tab:blue", "tab:orange"][: len(modes)])
     if skipped:
         speed_axes.bar(["DataParallel"], [0], color="tab:orange")
         speed_axes.text(1, 0, "skipped:\nneeds 2+ GPUs", ha="center", va="bottom")
@@ -82,8 +91,11 @@ def _plot_comparison(results: list[dict], path: Path, title: str, skipped: str |
         positions = [device + (i - (len(results) - 1) / 2) * width for device in range(len(r["peak_memory_mib"]))]
         memory_axes.bar(positions, r["peak_memory_mib"], width=width, label=r["mode"])
     memory_axes.set_xticks(range(devices))
-    memory_axes.set(xlabel="device (DDP: the rank's device)", ylabel=f"MiB, {results[0]['memory_kind']}",
-                    title="peak memory per device")
+    memory_axes.set(
+        xlabel="device (DDP: the rank's device)",
+        ylabel=f"MiB, {results[0]['memory_kind']}",
+        title="peak memory per device",
+    )
     memory_axes.legend(loc="lower right")
     figure.suptitle(title)
     figure.savefig(path, dpi=100)

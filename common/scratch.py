@@ -15,11 +15,20 @@ import torch.nn.functional as F
 
 def init_lenet_params(in_channels: int = 1, num_classes: int = 10, scale: float = 0.01, generator=None):
     """LeNet's weights and biases as a list: conv 20@3x3, conv 50@5x5, fc 800->128, fc 128->classes."""
+
     def normal(*shape):
         return torch.randn(*shape, generator=generator) * scale
 
-    return [normal(20, in_channels, 3, 3), torch.zeros(20), normal(50, 20, 5, 5), torch.zeros(50),
-            normal(800, 128), torch.zeros(128), normal(128, num_classes), torch.zeros(num_classes)]
+    return [
+        normal(20, in_channels, 3, 3),
+        torch.zeros(20),
+        normal(50, 20, 5, 5),
+        torch.zeros(50),
+        normal(800, 128),
+        torch.zeros(128),
+        normal(128, num_classes),
+        torch.zeros(num_classes),
+    ]
 
 
 def lenet(X, params):
@@ -64,8 +73,10 @@ def all_reduce_by_assignment(data):
 
 def split_batch(X, y, devices):
     """Cut a batch into one slice per device (sizes differ by at most one) and move each slice there."""
-    return ([part.to(device) for part, device in zip(X.tensor_split(len(devices)), devices)],
-            [part.to(device) for part, device in zip(y.tensor_split(len(devices)), devices)])
+    return (
+        [part.to(device) for part, device in zip(X.tensor_split(len(devices)), devices)],
+        [part.to(device) for part, device in zip(y.tensor_split(len(devices)), devices)],
+    )
 
 
 def sgd(params, lr, batch_size):
@@ -79,8 +90,10 @@ def sgd(params, lr, batch_size):
 def train_batch(X, y, device_params, devices, lr, all_reduce=allreduce):
     """One data-parallel step: forward and backward on every device's slice, sum the gradients, update."""
     X_shards, y_shards = split_batch(X, y, devices)
-    losses = [F.cross_entropy(lenet(X_shard, params), y_shard, reduction="sum")
-              for X_shard, y_shard, params in zip(X_shards, y_shards, device_params)]
+    losses = [
+        F.cross_entropy(lenet(X_shard, params), y_shard, reduction="sum")
+        for X_shard, y_shard, params in zip(X_shards, y_shards, device_params)
+    ]
     for loss in losses:  # each device's backward fills its own replica's .grad
         loss.backward()
     with torch.no_grad():

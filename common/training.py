@@ -30,28 +30,44 @@ def training_arguments(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", default="./data", help="where torchvision data sets are downloaded")
     parser.add_argument("--model", choices=list(MODELS), default="lenet")
     parser.add_argument("--epochs", type=positive_int, default=5)
-    parser.add_argument("--batch-size", type=positive_int, default=64,
-                        help="per process (and per micro-step): the global batch is this times the number of processes")
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=64,
+        help="per process (and per micro-step): the global batch is this times the number of processes",
+    )
     parser.add_argument("--lr", type=positive_float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: NCCL if every process has a GPU")
-    parser.add_argument("--num-workers", type=non_negative_int, default=2,
-                        help="loader processes per rank (torchvision data sets)")
-    parser.add_argument("--max-batches-per-epoch", type=positive_int,
-                        help="end each epoch after this many batches on every process (under --grad-accum-steps, "
-                             "micro-batches, not optimizer steps); for quick runs")
+    parser.add_argument(
+        "--num-workers", type=non_negative_int, default=2, help="loader processes per rank (torchvision data sets)"
+    )
+    parser.add_argument(
+        "--max-batches-per-epoch",
+        type=positive_int,
+        help="end each epoch after this many batches on every process (under --grad-accum-steps, "
+        "micro-batches, not optimizer steps); for quick runs",
+    )
     parser.add_argument("--metrics-file", type=Path, help="global rank 0 writes a JSON summary here")
     return parser
 
 
 def accumulation_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add lesson 04's options to ``parser``: micro-batches per optimizer step, gradient clipping, warm-up."""
-    parser.add_argument("--grad-accum-steps", type=positive_int, default=1,
-                        help="micro-batches per optimizer step on every process")
-    parser.add_argument("--clip-grad-norm", type=positive_float,
-                        help="clip the global norm of the averaged (and unscaled) gradients to this, before each step")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=0,
-                        help="optimizer steps over which the learning rate rises linearly to --lr")
+    parser.add_argument(
+        "--grad-accum-steps", type=positive_int, default=1, help="micro-batches per optimizer step on every process"
+    )
+    parser.add_argument(
+        "--clip-grad-norm",
+        type=positive_float,
+        help="clip the global norm of the averaged (and unscaled) gradients to this, before each step",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=non_negative_int,
+        default=0,
+        help="optimizer steps over which the learning rate rises linearly to --lr",
+    )
     return parser
 
 
@@ -69,10 +85,16 @@ def make_loaders(args, env, model_class):
     covers its whole shard, so that evaluation always scores the whole test set.
     """
     data = load_data(args.dataset, args.data_dir, model_class.input_shape)
-    options = dict(rank=env.rank, world_size=env.world_size, seed=args.seed, num_workers=args.num_workers,
-                   pin_memory=env.device.type == "cuda")
-    train_iter = FirstBatches(make_loader(data.train, args.batch_size, train=True, **options),
-                              args.max_batches_per_epoch)
+    options = dict(
+        rank=env.rank,
+        world_size=env.world_size,
+        seed=args.seed,
+        num_workers=args.num_workers,
+        pin_memory=env.device.type == "cuda",
+    )
+    train_iter = FirstBatches(
+        make_loader(data.train, args.batch_size, train=True, **options), args.max_batches_per_epoch
+    )
     return data, train_iter, make_loader(data.test, args.batch_size, train=False, **options)
 
 
@@ -105,11 +127,20 @@ class TrainingHistory:
         seconds = time.perf_counter() - self.started
         global_samples = int(all_reduce_sum(samples, self.env.device))
         test = evaluate(net, test_iter, self.env.device)
-        row = {"epoch": epoch, "train_loss": train_loss, "test_loss": test["loss"],
-               "test_accuracy": test["accuracy"], "seconds": seconds, "samples": global_samples, **extra}
+        row = {
+            "epoch": epoch,
+            "train_loss": train_loss,
+            "test_loss": test["loss"],
+            "test_accuracy": test["accuracy"],
+            "seconds": seconds,
+            "samples": global_samples,
+            **extra,
+        }
         self.rows.append(row)
-        print0(f"epoch {epoch}/{self.epochs}: train loss {train_loss:.4f} | test loss {test['loss']:.4f}, "
-               f"accuracy {test['accuracy']:.2%} of {test['count']} | {global_samples / seconds:,.0f} samples/s")
+        print0(
+            f"epoch {epoch}/{self.epochs}: train loss {train_loss:.4f} | test loss {test['loss']:.4f}, "
+            f"accuracy {test['accuracy']:.2%} of {test['count']} | {global_samples / seconds:,.0f} samples/s"
+        )
         return row
 
 
@@ -123,6 +154,7 @@ def finish_run(net, history: TrainingHistory, args, **details) -> None:
 def write_metrics(history: TrainingHistory, args, **details) -> None:
     """Have global rank 0 write the run's ``run_summary`` to ``--metrics-file``, if one was given."""
     if args.metrics_file:
-        write_json(args.metrics_file, run_summary(history.rows, history.env, dataset=args.dataset, model=args.model,
-                                                  **details))
+        write_json(
+            args.metrics_file, run_summary(history.rows, history.env, dataset=args.dataset, model=args.model, **details)
+        )
         print0(f"metrics written to {args.metrics_file}")

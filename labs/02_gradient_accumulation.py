@@ -32,8 +32,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.distributed import print0, process_group, set_seed
 from common.models import MODELS
-from common.training import (TrainingHistory, accumulation_arguments, finish_run, linear_warmup, make_loaders,
-                             progress_bar, training_arguments)
+from common.training import (
+    TrainingHistory,
+    accumulation_arguments,
+    finish_run,
+    linear_warmup,
+    make_loaders,
+    progress_bar,
+    training_arguments,
+)
 
 
 def parse_args(argv=None):
@@ -47,9 +54,11 @@ def main(args):
 
 def train(args, env):
     effective_batch = args.batch_size * args.grad_accum_steps * env.world_size
-    print0(f"{env.world_size} process(es), backend {env.backend}, device {env.device.type} | effective batch "
-           f"{effective_batch} = {args.batch_size} per micro-step x {args.grad_accum_steps} micro-steps x "
-           f"{env.world_size} process(es), lr {args.lr}, warm-up {args.warmup_steps} step(s)")
+    print0(
+        f"{env.world_size} process(es), backend {env.backend}, device {env.device.type} | effective batch "
+        f"{effective_batch} = {args.batch_size} per micro-step x {args.grad_accum_steps} micro-steps x "
+        f"{env.world_size} process(es), lr {args.lr}, warm-up {args.warmup_steps} step(s)"
+    )
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)
 
@@ -64,13 +73,28 @@ def train(args, env):
         train_iter.sampler.set_epoch(epoch)
         history.start_epoch()
         loss_sum, samples, optimizer_steps = train_one_epoch(
-            net, progress_bar(train_iter, f"epoch {epoch + 1}/{args.epochs}"), optimizer, scheduler,
-            args.grad_accum_steps, env.device, clip_grad_norm=args.clip_grad_norm)
-        history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter, optimizer_steps=optimizer_steps,
-                          lr=scheduler.get_last_lr()[0])
-    finish_run(net, history, args, batch_size_per_process=args.batch_size, grad_accum_steps=args.grad_accum_steps,
-               effective_batch_size=effective_batch, lr=args.lr, warmup_steps=args.warmup_steps,
-               clip_grad_norm=args.clip_grad_norm)
+            net,
+            progress_bar(train_iter, f"epoch {epoch + 1}/{args.epochs}"),
+            optimizer,
+            scheduler,
+            args.grad_accum_steps,
+            env.device,
+            clip_grad_norm=args.clip_grad_norm,
+        )
+        history.end_epoch(
+            epoch + 1, net, loss_sum, samples, test_iter, optimizer_steps=optimizer_steps, lr=scheduler.get_last_lr()[0]
+        )
+    finish_run(
+        net,
+        history,
+        args,
+        batch_size_per_process=args.batch_size,
+        grad_accum_steps=args.grad_accum_steps,
+        effective_batch_size=effective_batch,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        clip_grad_norm=args.clip_grad_norm,
+    )
 
 
 def train_one_epoch(net, batches, optimizer, scheduler, accum_steps: int, device, clip_grad_norm: float | None = None):

@@ -38,14 +38,25 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.distributed import print0, process_group, set_seed
 from common.models import MODELS
 from common.precision import PRECISIONS, check_precision
-from common.training import (TrainingHistory, accumulation_arguments, finish_run, linear_warmup, make_loaders,
-                             progress_bar, training_arguments)
+from common.training import (
+    TrainingHistory,
+    accumulation_arguments,
+    finish_run,
+    linear_warmup,
+    make_loaders,
+    progress_bar,
+    training_arguments,
+)
 
 
 def parse_args(argv=None):
     parser = accumulation_arguments(training_arguments(__doc__.splitlines()[0]))
-    parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
-                        help="autocast dtype of the forward pass; fp16 adds loss scaling")
+    parser.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        default="fp32",
+        help="autocast dtype of the forward pass; fp16 adds loss scaling",
+    )
     return parser.parse_args(argv)
 
 
@@ -57,9 +68,11 @@ def main(args):
 def train(args, env):
     check_precision(args.precision, env.device)
     effective_batch = args.batch_size * args.grad_accum_steps * env.world_size
-    print0(f"{env.world_size} process(es), backend {env.backend}, device {env.device.type}, precision "
-           f"{args.precision} | effective batch {effective_batch} = {args.batch_size} x {args.grad_accum_steps} "
-           f"micro-steps x {env.world_size} process(es), lr {args.lr}, warm-up {args.warmup_steps} step(s)")
+    print0(
+        f"{env.world_size} process(es), backend {env.backend}, device {env.device.type}, precision "
+        f"{args.precision} | effective batch {effective_batch} = {args.batch_size} x {args.grad_accum_steps} "
+        f"micro-steps x {env.world_size} process(es), lr {args.lr}, warm-up {args.warmup_steps} step(s)"
+    )
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)
 
@@ -76,22 +89,60 @@ def train(args, env):
         train_iter.sampler.set_epoch(epoch)
         history.start_epoch()
         loss_sum, samples, optimizer_steps, skipped_steps = train_one_epoch(
-            net, progress_bar(train_iter, f"epoch {epoch + 1}/{args.epochs}"), optimizer, scheduler, scaler,
-            args.grad_accum_steps, env.device, precision=args.precision, clip_grad_norm=args.clip_grad_norm)
+            net,
+            progress_bar(train_iter, f"epoch {epoch + 1}/{args.epochs}"),
+            optimizer,
+            scheduler,
+            scaler,
+            args.grad_accum_steps,
+            env.device,
+            precision=args.precision,
+            clip_grad_norm=args.clip_grad_norm,
+        )
         skipped_total += skipped_steps
-        history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter, optimizer_steps=optimizer_steps,
-                          skipped_steps=skipped_steps, loss_scale=scaler.get_scale(), lr=scheduler.get_last_lr()[0])
+        history.end_epoch(
+            epoch + 1,
+            net,
+            loss_sum,
+            samples,
+            test_iter,
+            optimizer_steps=optimizer_steps,
+            skipped_steps=skipped_steps,
+            loss_scale=scaler.get_scale(),
+            lr=scheduler.get_last_lr()[0],
+        )
         if scaler.is_enabled():
-            print0(f"  loss scale {scaler.get_scale():g}, {skipped_steps} of {optimizer_steps} step(s) skipped "
-                   f"(inf/NaN gradients)")
-    finish_run(net, history, args, precision=args.precision, skipped_steps=skipped_total,
-               final_scale=scaler.get_scale(), batch_size_per_process=args.batch_size,
-               grad_accum_steps=args.grad_accum_steps, effective_batch_size=effective_batch, lr=args.lr,
-               warmup_steps=args.warmup_steps, clip_grad_norm=args.clip_grad_norm)
+            print0(
+                f"  loss scale {scaler.get_scale():g}, {skipped_steps} of {optimizer_steps} step(s) skipped "
+                f"(inf/NaN gradients)"
+            )
+    finish_run(
+        net,
+        history,
+        args,
+        precision=args.precision,
+        skipped_steps=skipped_total,
+        final_scale=scaler.get_scale(),
+        batch_size_per_process=args.batch_size,
+        grad_accum_steps=args.grad_accum_steps,
+        effective_batch_size=effective_batch,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        clip_grad_norm=args.clip_grad_norm,
+    )
 
 
-def train_one_epoch(net, batches, optimizer, scheduler, scaler, accum_steps: int, device, precision: str = "fp32",
-                    clip_grad_norm: float | None = None):
+def train_one_epoch(
+    net,
+    batches,
+    optimizer,
+    scheduler,
+    scaler,
+    accum_steps: int,
+    device,
+    precision: str = "fp32",
+    clip_grad_norm: float | None = None,
+):
     """One pass over ``batches`` (micro-batches), an optimizer step after every ``accum_steps`` of them and after the
     last, possibly shorter, group, the forward pass autocast to ``precision``. Returns the summed loss (a tensor),
     the samples, the optimizer steps attempted and how many of them the scaler skipped."""

@@ -44,8 +44,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.checkpoint import unwrap
 from common.cli import positive_int
 from common.distributed import is_main, print0, process_group, rank_map, set_seed
-from common.fault_tolerance import (gather_rng_states, newest_valid_checkpoint, prune_checkpoints, read_verified,
-                                    restart_attempt, set_rng_state, step_checkpoint_file, write_verified)
+from common.fault_tolerance import (
+    gather_rng_states,
+    newest_valid_checkpoint,
+    prune_checkpoints,
+    read_verified,
+    restart_attempt,
+    set_rng_state,
+    step_checkpoint_file,
+    write_verified,
+)
 from common.models import MODELS
 from common.training import TrainingHistory, finish_run, make_loaders, training_arguments
 
@@ -68,15 +76,18 @@ def main(args):
 def train(args, env):
     attempt = restart_attempt(env.device)  # 0, then 1 after the first restart... the same on every rank
     where = rank_map(env)  # (node rank, local rank, host) of every rank
-    print0(f"{env.world_size} process(es), backend {env.backend}, attempt {attempt} | "
-           + ", ".join(f"rank {r}: node {n} local {lr} on {h}" for r, (n, lr, h) in enumerate(where)))
+    print0(
+        f"{env.world_size} process(es), backend {env.backend}, attempt {attempt} | "
+        + ", ".join(f"rank {r}: node {n} local {lr} on {h}" for r, (n, lr, h) in enumerate(where))
+    )
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)
     set_seed(args.seed)
     # find_unused_parameters=True keeps DDP's first gradient buckets for the run: rebuilt after step 1 (the default),
     # a resumed run's first step would sum in another order (4 ranks: 1 ulp off; tests/test_checkpoint.py).
-    net = DDP(model_class(num_classes=data.num_classes).to(env.device), device_ids=env.device_ids,
-              find_unused_parameters=True)
+    net = DDP(
+        model_class(num_classes=data.num_classes).to(env.device), device_ids=env.device_ids, find_unused_parameters=True
+    )
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=len(train_iter), gamma=0.8)  # per epoch
@@ -107,8 +118,15 @@ def train(args, env):
         history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter, step=step, attempt=attempt)
         if args.checkpoint_dir and (step % args.checkpoint_every == 0 or epoch + 1 == args.epochs):
             save(args, step, epoch + 1, 0, net, optimizer, scheduler, history.rows)  # the epoch's figures too
-    finish_run(net, history, args, restarts=attempt, final_step=step, batch_size_per_process=args.batch_size,
-               nodes=len({node for node, _, _ in where}))
+    finish_run(
+        net,
+        history,
+        args,
+        restarts=attempt,
+        final_step=step,
+        batch_size_per_process=args.batch_size,
+        nodes=len({node for node, _, _ in where}),
+    )
 
 
 def save(args, step, epoch, batch_in_epoch, net, optimizer, scheduler, history):

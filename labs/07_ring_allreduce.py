@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.cli import parse_size, positive_int
 from common.collectives import naive_all_reduce
+
 from common.distributed import BACKENDS, is_main, print0, process_group, set_seed
 from common.metrics import slowest_rank_seconds
 from common.models import LeNet
@@ -70,8 +71,9 @@ ALGORITHMS = {"naive": naive_all_reduce, "ring": ring_all_reduce, "dist.all_redu
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--sizes", nargs="+", default=["4K", "64K", "1M", "16M"], help="bytes, e.g. 4K 16M 1G")
     parser.add_argument("--algorithms", nargs="+", choices=list(ALGORITHMS), default=list(ALGORITHMS))
     parser.add_argument("--iterations", type=positive_int, default=10)
@@ -89,8 +91,9 @@ def main(args):
             raise SystemExit("error: the hand-made allreduce gives different results; fix it before timing it")
         rows = measure(args, env)
         if args.plot and is_main():
-            plot_bus_bandwidth(rows, args.plot, f"allreduce, {env.world_size} processes, {env.backend} on "
-                               f"{env.device.type}")
+            plot_bus_bandwidth(
+                rows, args.plot, f"allreduce, {env.world_size} processes, {env.backend} on {env.device.type}"
+            )
             print0(f"plot written to {args.plot}")
 
 

@@ -36,6 +36,7 @@ from common.cli import non_negative_int, positive_int
 from common.data import NUM_CLASSES
 from common.distributed import BACKENDS, is_main, print0, process_group, set_seed
 from common.memory import memory_kind, peak_memory_mib
+
 from common.models import MODELS
 from common.reports import describe_comparison, write_comparison
 # What the functions you write below use:
@@ -61,18 +62,32 @@ def time_training_steps(net: nn.Module, batches, device: torch.device, warmup_st
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--model", choices=list(MODELS), default="simplecnn")
-    parser.add_argument("--batch-size", type=positive_int, default=64,
-                        help="per device: the global batch is this times the number of processes")
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=64,
+        help="per device: the global batch is this times the number of processes",
+    )
     parser.add_argument("--steps", type=positive_int, default=20, help="timed training steps per mode")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=3, help="untimed steps first: first "
-                        "allocations, library handles created on first use, DDP's bucket rebuild (in its step 2)")
+    parser.add_argument(
+        "--warmup-steps",
+        type=non_negative_int,
+        default=3,
+        help="untimed steps first: first "
+        "allocations, library handles created on first use, DDP's bucket rebuild (in its step 2)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: NCCL if every process has a GPU")
-    parser.add_argument("--results-dir", type=Path, default=Path("runs/08_dp_vs_ddp"),
-                        help="global rank 0 writes results.json, results.md and results.png here")
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=Path("runs/08_dp_vs_ddp"),
+        help="global rank 0 writes results.json, results.md and results.png here",
+    )
     return parser.parse_args(argv)
 
 
@@ -84,8 +99,10 @@ def main(args):
 def compare(args, env):
     model_class = MODELS[args.model]
     global_batch = args.batch_size * env.world_size
-    print0(f"{args.model}, {global_batch} samples per step ({args.batch_size} per device x {env.world_size}), "
-           f"{args.warmup_steps} warm-up + {args.steps} timed steps")
+    print0(
+        f"{args.model}, {global_batch} samples per step ({args.batch_size} per device x {env.world_size}), "
+        f"{args.warmup_steps} warm-up + {args.steps} timed steps"
+    )
     # One global batch from a fixed generator: DDP rank r trains on slice r of it, DataParallel on all of it.
     generator = torch.Generator().manual_seed(args.seed)
     X = torch.randn(global_batch, *model_class.input_shape, generator=generator)
@@ -108,8 +125,14 @@ def compare(args, env):
         results.append(dp)
         print(describe_comparison(dp))
         print(f"DDP / DataParallel: {ddp['samples_per_second'] / dp['samples_per_second']:.2f}x the samples/s")
-    setting = {"model": args.model, "batch_size_per_device": args.batch_size, "global_batch_size": global_batch,
-               "steps": args.steps, "warmup_steps": args.warmup_steps, "backend": env.backend}
+    setting = {
+        "model": args.model,
+        "batch_size_per_device": args.batch_size,
+        "global_batch_size": global_batch,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "backend": env.backend,
+    }
     write_comparison(args.results_dir, results, skipped, setting, f"{env.backend} on {env.device.type}")
     print(f"table, figures and plot written to {args.results_dir}")
 
@@ -127,18 +150,25 @@ def measure_ddp(model_class, X, y, args, env) -> dict:
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     per_rank = [None] * env.world_size
     dist.all_gather_object(per_rank, (f"{env.device} (rank {env.rank})", timing["peak_memory_mib"]))
-    return {"mode": "DDP", "processes": env.world_size, "devices": [device for device, _ in per_rank],
-            "samples_per_second": timing["samples"] * env.world_size / seconds.item(),
-            "peak_memory_mib": [memory for _, memory in per_rank], "memory_kind": memory_kind(env.device)}
+    return {
+        "mode": "DDP",
+        "processes": env.world_size,
+        "devices": [device for device, _ in per_rank],
+        "samples_per_second": timing["samples"] * env.world_size / seconds.item(),
+        "peak_memory_mib": [memory for _, memory in per_rank],
+        "memory_kind": memory_kind(env.device),
+    }
 
 
 def dataparallel_unavailable(env) -> str | None:
     """Why DataParallel cannot run here, or None when it can: it needs one GPU per DDP process, at least 2."""
     gpus = torch.cuda.device_count()
     if env.device.type != "cuda" or env.world_size < 2 or gpus < env.world_size:
-        return (f"it needs 2 or more CUDA devices, one per DDP process to compare with; found {gpus} CUDA "
-                f"device(s) and {env.world_size} process(es). With N GPUs, run "
-                f"`torchrun --nproc_per_node=N solutions/08_dp_vs_ddp.py`")
+        return (
+            f"it needs 2 or more CUDA devices, one per DDP process to compare with; found {gpus} CUDA "
+            f"device(s) and {env.world_size} process(es). With N GPUs, run "
+            f"`torchrun --nproc_per_node=N solutions/08_dp_vs_ddp.py`"
+        )
     return None
 
 
@@ -150,12 +180,17 @@ def measure_dataparallel(model_class, X, y, device_ids, args) -> dict:
     raise NotImplementedError("TODO: wrap the model in nn.DataParallel over `device_ids` and call it `net`")
     X, y = X.to(f"cuda:{device_ids[0]}"), y.to(f"cuda:{device_ids[0]}")  # the whole batch on GPU 0, as users do
     devices = [torch.device(f"cuda:{i}") for i in device_ids]
-    timing = time_training_steps(net, [(X, y)] * (args.warmup_steps + args.steps), devices[0], args.warmup_steps,
-                                 other_devices=devices[1:])
-    return {"mode": "DataParallel", "processes": 1, "devices": [str(device) for device in devices],
-            "samples_per_second": timing["samples"] / timing["seconds"],
-            "peak_memory_mib": [timing["peak_memory_mib"]] + [peak_memory_mib(d) for d in devices[1:]],
-            "memory_kind": memory_kind(devices[0])}
+    timing = time_training_steps(
+        net, [(X, y)] * (args.warmup_steps + args.steps), devices[0], args.warmup_steps, other_devices=devices[1:]
+    )
+    return {
+        "mode": "DataParallel",
+        "processes": 1,
+        "devices": [str(device) for device in devices],
+        "samples_per_second": timing["samples"] / timing["seconds"],
+        "peak_memory_mib": [timing["peak_memory_mib"]] + [peak_memory_mib(d) for d in devices[1:]],
+        "memory_kind": memory_kind(devices[0]),
+    }
 
 
 if __name__ == "__main__":

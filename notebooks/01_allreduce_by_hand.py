@@ -46,8 +46,10 @@ if gpus >= 2:
     devices = [torch.device(f"cuda:{i}") for i in range(gpus)]
 else:  # several replicas on the one device there is: shows the algorithm is correct, not that it is fast
     devices = [torch.device("cuda:0" if gpus else "cpu")] * NUM_SIMULATED_DEVICES
-print(f"PyTorch {torch.__version__}; devices: {[str(d) for d in devices]}"
-      + ("" if gpus >= 2 else " (simulated: correctness, not speed)"))
+print(
+    f"PyTorch {torch.__version__}; devices: {[str(d) for d in devices]}"
+    + ("" if gpus >= 2 else " (simulated: correctness, not speed)")
+)
 
 # %% [markdown]
 # ## Part 1: one process, several devices
@@ -142,8 +144,10 @@ for lr in (0.1, LR, 1.0):
     device_params, accuracies, _ = fit(devices, NUM_EPOCHS, BATCH_SIZE, lr)
     above_half = next((epoch for epoch, value in enumerate(accuracies, 1) if value > 0.5), None)
     finite = all(torch.isfinite(param).all() for param in device_params[0])
-    print(f"lr {lr}: test accuracy {accuracies[-1]:.1%} after {NUM_EPOCHS} epochs, above 50% from epoch "
-          f"{above_half}, parameters finite: {finite}")
+    print(
+        f"lr {lr}: test accuracy {accuracies[-1]:.1%} after {NUM_EPOCHS} epochs, above 50% from epoch "
+        f"{above_half}, parameters finite: {finite}"
+    )
 
 # %% [markdown]
 # ### The in-place pitfall, over a whole run
@@ -154,8 +158,10 @@ for lr in (0.1, LR, 1.0):
 # %%
 device_params, _, _ = fit(devices, NUM_EPOCHS, BATCH_SIZE, LR, all_reduce=scratch.all_reduce_by_assignment)
 gap = max((a - b.to(a.device)).abs().max().item() for a, b in zip(device_params[0], device_params[-1]))
-print(f"by assignment, {len(devices)} replicas, lr {LR}: test accuracy of replica 0 {accuracy(device_params[0]):.1%}, "
-      f"of replica {len(devices) - 1} {accuracy(device_params[-1]):.1%}; largest parameter gap {gap:.3g}")
+print(
+    f"by assignment, {len(devices)} replicas, lr {LR}: test accuracy of replica 0 {accuracy(device_params[0]):.1%}, "
+    f"of replica {len(devices) - 1} {accuracy(device_params[-1]):.1%}; largest parameter gap {gap:.3g}"
+)
 
 # %% [markdown]
 # ## Part 2: processes, and allreduce from messages

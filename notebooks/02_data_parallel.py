@@ -60,10 +60,10 @@ print(f"PyTorch {torch.__version__}, {GPUS} CUDA device(s), {os.cpu_count()} CPU
 # ## One forward pass, four steps
 #
 # `nn.DataParallel(model)(X)` scatters `X` (on any device, the CPU included) into one chunk per GPU, replicates
-# the model from GPU 0 to every GPU, runs the replicas in parallel threads, and gathers the outputs on GPU 0. `common.data_parallel` writes the
-# same four steps out; with fewer than 2 GPUs it runs them on two CPU "devices". The replicas are copies that
-# autograd records, so `backward()` sums every replica's gradient into the original parameters: the result is
-# the gradient of the whole batch.
+# the model from GPU 0 to every GPU, runs the replicas in parallel threads, and gathers the outputs on GPU 0.
+# `common.data_parallel` writes the same four steps out; with fewer than 2 GPUs it runs them on two CPU "devices".
+# The replicas are copies that autograd records, so `backward()` sums every replica's gradient into the original
+# parameters: the result is the gradient of the whole batch.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -86,8 +86,9 @@ by_hand = gradients(lambda X: data_parallel_forward(model, X, devices))
 hook.remove()
 whole_batch = gradients(lambda X: model(X.to(devices[0])))
 print(f"{len(X)} samples on {len(devices)} replicas: chunks of {sorted(chunk_sizes, reverse=True)}")
-print("gradients equal to the whole batch's:",
-      all(torch.allclose(a, b, atol=1e-6) for a, b in zip(by_hand, whole_batch)))
+print(
+    "gradients equal to the whole batch's:", all(torch.allclose(a, b, atol=1e-6) for a, b in zip(by_hand, whole_batch))
+)
 
 # %% [markdown]
 # The batch you hand DataParallel is the *global* batch: each of N GPUs gets 1/N of it. And without GPUs
@@ -113,8 +114,11 @@ else:
 
 # %%
 results_dir = "runs/02_dp_vs_ddp"  # relative to the repository, where the command runs
-print(launch("solutions/08_dp_vs_ddp.py", "--model", MODEL, "--steps", STEPS, "--results-dir", results_dir,
-             nproc=NPROC).stdout)
+print(
+    launch(
+        "solutions/08_dp_vs_ddp.py", "--model", MODEL, "--steps", STEPS, "--results-dir", results_dir, nproc=NPROC
+    ).stdout
+)
 
 # %%
 display(Markdown((REPO / results_dir / "results.md").read_text()))

@@ -48,8 +48,15 @@ print(f"PyTorch {torch.__version__}, {torch.cuda.device_count()} CUDA device(s)"
 
 # %%
 # NBVAL_CHECK_OUTPUT
-command = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--no-python", "sh", "-c",
-           "echo RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE"]
+command = [
+    TORCHRUN,
+    "--standalone",
+    "--nproc_per_node=2",
+    "--no-python",
+    "sh",
+    "-c",
+    "echo RANK=$RANK LOCAL_RANK=$LOCAL_RANK WORLD_SIZE=$WORLD_SIZE LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE",
+]
 lines = subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
 print("\n".join(sorted(lines)))
 
@@ -91,8 +98,10 @@ from common.ddp import weights_before_and_after_ddp
 from common.launch import run_on_ranks
 
 for rank, weights in enumerate(run_on_ranks(weights_before_and_after_ddp, 3, timeout=120)):
-    print(f"rank {rank}: before {[round(w, 4) for w in weights['before']]} "
-          f"after {[round(w, 4) for w in weights['after']]}")
+    print(
+        f"rank {rank}: before {[round(w, 4) for w in weights['before']]} "
+        f"after {[round(w, 4) for w in weights['after']]}"
+    )
 
 # %% [markdown]
 # ## DDP's gradient buckets
@@ -108,8 +117,11 @@ from unittest import mock
 
 from common.ddp import ddp_buckets
 
-configurations = {"default": {}, "bucket_cap_mb=0.3": {"bucket_cap_mb": 0.3},
-                  "find_unused_parameters=True": {"find_unused_parameters": True}}
+configurations = {
+    "default": {},
+    "bucket_cap_mb=0.3": {"bucket_cap_mb": 0.3},
+    "find_unused_parameters=True": {"find_unused_parameters": True},
+}
 # The ranks would warn (on stderr, at random moments) that find_unused_parameters=True found nothing unused:
 # here that is the point. PyTorch's C++ side reads this variable when a rank starts.
 with mock.patch.dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR"):
@@ -118,8 +130,10 @@ for name, result in recorded.items():
     print(name)
     for step, buckets in enumerate(result["steps"], start=1):
         for bucket in buckets:
-            print(f"  step {step}, bucket {bucket['index']}: {bucket['bytes'] / 2**20:.3f} MiB  "
-                  f"{' '.join(bucket['parameters'])}")
+            print(
+                f"  step {step}, bucket {bucket['index']}: {bucket['bytes'] / 2**20:.3f} MiB  "
+                f"{' '.join(bucket['parameters'])}"
+            )
 
 # %% [markdown]
 # By default the first step has one bucket of everything: DDP does not know yet in which order the gradients
@@ -134,8 +148,9 @@ for name, result in recorded.items():
 
 # %%
 metrics_file = "runs/03_ddp_digits.json"  # relative to the repository, where the command runs
-output = launch("solutions/01_ddp_basic.py", "--dataset", "digits", "--epochs", EPOCHS, "--metrics-file", metrics_file,
-                nproc=NPROC).stdout
+output = launch(
+    "solutions/01_ddp_basic.py", "--dataset", "digits", "--epochs", EPOCHS, "--metrics-file", metrics_file, nproc=NPROC
+).stdout
 print("\n".join(line for line in output.splitlines() if line.startswith(("epoch", "model", str(NPROC)))))
 
 # %%
@@ -152,8 +167,10 @@ accuracy_axes.set(xlabel="epoch", ylabel="accuracy", title="test accuracy, every
 figure.suptitle(f"LeNet on digits, {metrics['world_size']} processes, {metrics['backend']} on {metrics['device']}")
 figure.tight_layout()
 plt.show()
-print(f"final test accuracy {metrics['final_test_accuracy']:.2%}, {metrics['samples_per_second']:,.0f} samples/s, "
-      f"replicas in sync: {metrics['replicas_in_sync']}")
+print(
+    f"final test accuracy {metrics['final_test_accuracy']:.2%}, {metrics['samples_per_second']:,.0f} samples/s, "
+    f"replicas in sync: {metrics['replicas_in_sync']}"
+)
 
 # %% [markdown]
 # ## BatchNorm across ranks
@@ -182,8 +199,10 @@ def show(label, buffers):
     mean, var = buffers["features.1.running_mean"], buffers["features.1.running_var"]
     gap_mean = (mean - reference["features.1.running_mean"]).abs().max().item()
     gap_var = (var - reference["features.1.running_var"]).abs().max().item()
-    print(f"{label:<26} running_mean[:3] {[round(m, 3) for m in mean[:3].tolist()]}"
-          f"   largest gap: mean {gap_mean:.3f}, var {gap_var:.3f}")
+    print(
+        f"{label:<26} running_mean[:3] {[round(m, 3) for m in mean[:3].tolist()]}"
+        f"   largest gap: mean {gap_mean:.3f}, var {gap_var:.3f}"
+    )
 
 
 show("one process, 16 images", reference)
@@ -210,7 +229,8 @@ else:
 # with its default `forward_sync_buffers=True`, every forward starts by broadcasting rank 0's buffers to every
 # rank. A lone `BatchNorm2d(2)` trains for 3 steps on 2 ranks, each on batches of its own, rank 1's brighter
 # (`common.batchnorm.batch_norm_statistics_through_ddp`). Beside each rank's `running_mean`: the batches whose
-# statistics it holds, found by comparing its buffers with values computed by hand (`common.batchnorm.running_statistics`).
+# statistics it holds, found by comparing its buffers with values computed by hand
+# (`common.batchnorm.running_statistics`).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -219,25 +239,34 @@ from common.batchnorm import batch_norm_statistics_through_ddp, ddp_batch_norm_b
 STEPS = 3
 through_ddp = run_on_ranks(batch_norm_statistics_through_ddp, 2, STEPS, timeout=120)
 batches = [[ddp_batch_norm_batch(rank, step) for step in range(STEPS)] for rank in range(2)]
-by_hand = {"rank 0's 3 batches": running_statistics(batches[0]),
-           "rank 1's 3 batches": running_statistics(batches[1]),
-           "rank 0's first 2 batches, then rank 1's third": running_statistics(batches[0][:2] + batches[1][2:]),
-           "the 3 global batches (both ranks')": running_statistics([torch.cat(pair) for pair in zip(*batches)])}
+by_hand = {
+    "rank 0's 3 batches": running_statistics(batches[0]),
+    "rank 1's 3 batches": running_statistics(batches[1]),
+    "rank 0's first 2 batches, then rank 1's third": running_statistics(batches[0][:2] + batches[1][2:]),
+    "the 3 global batches (both ranks')": running_statistics([torch.cat(pair) for pair in zip(*batches)]),
+}
 
 
 def holds(buffers):
     """The hand-computed statistics that these BatchNorm buffers equal."""
-    return next((name for name, (mean, var) in by_hand.items()
-                 if torch.allclose(buffers["running_mean"], mean) and torch.allclose(buffers["running_var"], var)),
-                "none of these")
+    return next(
+        (
+            name
+            for name, (mean, var) in by_hand.items()
+            if torch.allclose(buffers["running_mean"], mean) and torch.allclose(buffers["running_var"], var)
+        ),
+        "none of these",
+    )
 
 
 for variant in ("forward_sync_buffers=True", "forward_sync_buffers=False", "synchronized (common/batchnorm.py)"):
     print(variant)
     for rank, result in enumerate(through_ddp):
         trained = result[variant]["trained"]
-        print(f"  rank {rank} after training: running_mean {[round(m, 3) for m in trained['running_mean'].tolist()]}"
-              f" = {holds(trained)}")
+        print(
+            f"  rank {rank} after training: running_mean {[round(m, 3) for m in trained['running_mean'].tolist()]}"
+            f" = {holds(trained)}"
+        )
     for rank, result in enumerate(through_ddp):
         print(f"  rank {rank} evaluating through DDP uses: {holds(result[variant]['evaluated_through_ddp'])}")
 print("nn.SyncBatchNorm in DDP on CPU:", through_ddp[0]["sync_batchnorm_on_cpu"])

@@ -77,6 +77,7 @@ print(f"not divided: {undivided.norm() / whole.norm():.2f} times the whole batch
 # the last one), and the two rules found in other material. `S` marks a micro-step that all-reduces and steps,
 # `.` one inside `no_sync`.
 
+
 # %%
 # NBVAL_CHECK_OUTPUT
 def schedule(num_batches, k, steps_after):
@@ -101,8 +102,11 @@ for name, rule in rules.items():
 # (`common.collectives.AllReduceCounter`) and times an effective step of 4 micro-steps, with and without `no_sync`:
 
 # %%
-print(launch("benchmarks/grad_accumulation.py", "--steps", 2 if QUICK else 5, "--rounds", 1 if QUICK else 5,
-             nproc=NPROC).stdout)
+print(
+    launch(
+        "benchmarks/grad_accumulation.py", "--steps", 2 if QUICK else 5, "--rounds", 1 if QUICK else 5, nproc=NPROC
+    ).stdout
+)
 
 # %% [markdown]
 # ## Accumulation follows the path of a bigger batch
@@ -112,16 +116,28 @@ print(launch("benchmarks/grad_accumulation.py", "--steps", 2 if QUICK else 5, "-
 
 # %%
 histories = {}
-for name, script, batch_args in [("4 x 16, accumulated", "solutions/02_gradient_accumulation.py",
-                                  ["--batch-size", 16, "--grad-accum-steps", 4]),
-                                 ("64, plain DDP", "solutions/01_ddp_basic.py", ["--batch-size", 64])]:
+for name, script, batch_args in [
+    ("4 x 16, accumulated", "solutions/02_gradient_accumulation.py", ["--batch-size", 16, "--grad-accum-steps", 4]),
+    ("64, plain DDP", "solutions/01_ddp_basic.py", ["--batch-size", 64]),
+]:
     metrics_file = REPO / "runs" / f"04_{script.split('/')[1][:2]}.json"
-    launch(script, "--dataset", "digits", "--epochs", COMPARE_EPOCHS, *batch_args, "--metrics-file", metrics_file,
-           nproc=NPROC)
+    launch(
+        script,
+        "--dataset",
+        "digits",
+        "--epochs",
+        COMPARE_EPOCHS,
+        *batch_args,
+        "--metrics-file",
+        metrics_file,
+        nproc=NPROC,
+    )
     histories[name] = json.loads(metrics_file.read_text())["history"]
 for epoch in range(COMPARE_EPOCHS):
-    print(f"epoch {epoch + 1}: " + ", ".join(f"{name}: train loss {history[epoch]['train_loss']:.5f}"
-                                              for name, history in histories.items()))
+    print(
+        f"epoch {epoch + 1}: "
+        + ", ".join(f"{name}: train loss {history[epoch]['train_loss']:.5f}" for name, history in histories.items())
+    )
 
 # %% [markdown]
 # ## The linear scaling rule, measured
@@ -132,16 +148,32 @@ for epoch in range(COMPARE_EPOCHS):
 
 # %%
 results_file = REPO / "runs" / "04_lr_scaling.json"
-run = subprocess.run([sys.executable, "benchmarks/lr_scaling.py", "--epochs", str(LR_EPOCHS),
-                      "--nproc", str(LR_NPROC), "--results-file", str(results_file)],
-                     capture_output=True, text=True, cwd=REPO)
+run = subprocess.run(
+    [
+        sys.executable,
+        "benchmarks/lr_scaling.py",
+        "--epochs",
+        str(LR_EPOCHS),
+        "--nproc",
+        str(LR_NPROC),
+        "--results-file",
+        str(results_file),
+    ],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+)
 print(run.stdout)
 assert run.returncode == 0, run.stderr[-2000:]
 figure, axes = plt.subplots(figsize=(7, 4))
 for result in json.loads(results_file.read_text()):
     epochs = range(1, len(result["test_accuracy"]) + 1)
-    axes.plot(epochs, result["test_accuracy"], marker="o",
-              label=f"{result['name']} (batch {result['effective_batch']}, lr {result['lr']:.2f})")
+    axes.plot(
+        epochs,
+        result["test_accuracy"],
+        marker="o",
+        label=f"{result['name']} (batch {result['effective_batch']}, lr {result['lr']:.2f})",
+    )
 axes.set(xlabel="epoch", ylabel="test accuracy", title="same epochs, larger batch: does scaling the lr help?")
 axes.legend()
 plt.show()

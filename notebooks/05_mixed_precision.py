@@ -56,8 +56,10 @@ print(f"{'dtype':>8} {'exponent':>8} {'mantissa':>8} {'largest':>10} {'smallest 
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     info = torch.finfo(dtype)
     mantissa = round(-torch.log2(torch.tensor(info.eps)).item())  # eps = 2**-mantissa bits
-    print(f"{str(dtype).split('.')[1]:>8} {info.bits - 1 - mantissa:>8} {mantissa:>8} {info.max:>10.3g} "
-          f"{info.tiny:>15.3g} {info.eps:>10.3g}")
+    print(
+        f"{str(dtype).split('.')[1]:>8} {info.bits - 1 - mantissa:>8} {mantissa:>8} {info.max:>10.3g} "
+        f"{info.tiny:>15.3g} {info.eps:>10.3g}"
+    )
 
 # %% [markdown]
 # ## fp16 underflow, and what the scale rescues
@@ -140,8 +142,9 @@ def clipped_step(mode):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", enabled=mode != "fp32, no scaler")
     applied = []  # the norm of the gradient the optimizer really applies
-    optimizer.register_step_pre_hook(lambda *_: applied.append(
-        torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()))
+    optimizer.register_step_pre_hook(
+        lambda *_: applied.append(torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item())
+    )
     scaler.scale(F.cross_entropy(model(X), y)).backward()
     if mode == "unscale_, then clip":
         scaler.unscale_(optimizer)
@@ -154,8 +157,10 @@ def clipped_step(mode):
 _, reference_update = clipped_step("fp32, no scaler")
 for mode in ("fp32, no scaler", "unscale_, then clip", "clip the scaled gradients"):
     norm, update = clipped_step(mode)
-    print(f"{mode:>26}: gradient norm applied {norm:.4g} (max_norm {MAX_NORM}), "
-          f"step equals the fp32 one: {torch.allclose(update, reference_update)}")
+    print(
+        f"{mode:>26}: gradient norm applied {norm:.4g} (max_norm {MAX_NORM}), "
+        f"step equals the fp32 one: {torch.allclose(update, reference_update)}"
+    )
 
 # %% [markdown]
 # ## bf16 and fp16 training on digits
@@ -167,12 +172,25 @@ for mode in ("fp32, no scaler", "unscale_, then clip", "clip the scaled gradient
 histories = {}
 for precision in RUN_PRECISIONS:
     metrics_file = REPO / "runs" / f"05_{precision}.json"
-    output = launch("solutions/04_mixed_precision.py", "--dataset", "digits", "--epochs", EPOCHS, *MAX_BATCHES,
-                    "--precision", precision, "--metrics-file", metrics_file, nproc=NPROC).stdout
+    output = launch(
+        "solutions/04_mixed_precision.py",
+        "--dataset",
+        "digits",
+        "--epochs",
+        EPOCHS,
+        *MAX_BATCHES,
+        "--precision",
+        precision,
+        "--metrics-file",
+        metrics_file,
+        nproc=NPROC,
+    ).stdout
     metrics = json.loads(metrics_file.read_text())
     histories[precision] = metrics["history"]
-    print(f"{precision}: final accuracy {metrics['final_test_accuracy']:.2%}, {metrics['samples_per_second']:,.0f} "
-          f"samples/s, {metrics['skipped_steps']} step(s) skipped, final loss scale {metrics['final_scale']:g}")
+    print(
+        f"{precision}: final accuracy {metrics['final_test_accuracy']:.2%}, {metrics['samples_per_second']:,.0f} "
+        f"samples/s, {metrics['skipped_steps']} step(s) skipped, final loss scale {metrics['final_scale']:g}"
+    )
     for line in output.splitlines():
         if line.startswith("  loss scale"):  # fp16 only: the scaler's state after each epoch
             print(line)
@@ -191,7 +209,8 @@ plt.show()
 # speed is; on a CPU it depends on the instructions it has (see the lesson).
 
 # %%
-run = subprocess.run([sys.executable, "benchmarks/mixed_precision.py", *map(str, BENCHMARK)],
-                     capture_output=True, text=True, cwd=REPO)
+run = subprocess.run(
+    [sys.executable, "benchmarks/mixed_precision.py", *map(str, BENCHMARK)], capture_output=True, text=True, cwd=REPO
+)
 print(run.stdout)
 assert run.returncode == 0, run.stderr[-2000:]

@@ -53,11 +53,14 @@ from common.models import DeepMLP
 # NBVAL_CHECK_OUTPUT
 print("bytes per parameter:", {precision: bytes_per_parameter(precision) for precision in ("fp32", "mixed")})
 num_parameters = sum(p.numel() for p in DeepMLP().parameters())
-for name, psi, n, precision, unit in [("DeepMLP", num_parameters, 4, "fp32", 1e6),
-                                      ("ZeRO paper, 7.5 B", 7.5e9, 64, "mixed", 1e9),
-                                      ("LLaMA-70B", 70e9, 4, "mixed", 1e9)]:
-    row = "  ".join(f"stage {stage}: {zero_bytes_per_rank(psi, n, stage, precision)['total'] / unit:8.2f}"
-                    for stage in range(4))
+for name, psi, n, precision, unit in [
+    ("DeepMLP", num_parameters, 4, "fp32", 1e6),
+    ("ZeRO paper, 7.5 B", 7.5e9, 64, "mixed", 1e9),
+    ("LLaMA-70B", 70e9, 4, "mixed", 1e9),
+]:
+    row = "  ".join(
+        f"stage {stage}: {zero_bytes_per_rank(psi, n, stage, precision)['total'] / unit:8.2f}" for stage in range(4)
+    )
     print(f"{name:>18} ({precision}, N = {n:2d}), {'MB' if unit == 1e6 else 'GB'} per rank: {row}")
 
 # %% [markdown]
@@ -72,16 +75,20 @@ for name, psi, n, precision, unit in [("DeepMLP", num_parameters, 4, "fp32", 1e6
 # %%
 PREDICTED_STAGE = {"ddp": 0, "zero1": 1, "fsdp-grad-op": 3, "fsdp-full": 3}
 measured = {world_size: run_on_ranks(measure_strategies, world_size, timeout=180) for world_size in WORLD_SIZES}
-print(f"DeepMLP, {num_parameters:,} parameters, Adam fp32, gloo on CPU: MB held per rank\n"
-      f"{'N':>2} {'strategy':>12} | {'parameters':>10} {'gradients':>9} {'optimizer':>9} {'total':>6} (rank 0) | "
-      f"{'largest total':>13} {'predicted':>9} | {'after forward':>13}")
+print(
+    f"DeepMLP, {num_parameters:,} parameters, Adam fp32, gloo on CPU: MB held per rank\n"
+    f"{'N':>2} {'strategy':>12} | {'parameters':>10} {'gradients':>9} {'optimizer':>9} {'total':>6} (rank 0) | "
+    f"{'largest total':>13} {'predicted':>9} | {'after forward':>13}"
+)
 for world_size, ranks in measured.items():
     for strategy in PREDICTED_STAGE:
         rank0, largest = ranks[0][strategy], max(rank[strategy]["total"] for rank in ranks)
         predicted = zero_bytes_per_rank(num_parameters, world_size, PREDICTED_STAGE[strategy])["total"]
-        print(f"{world_size:>2} {strategy:>12} | {rank0['parameters'] / 1e6:10.2f} {rank0['gradients'] / 1e6:9.2f} "
-              f"{rank0['optimizer'] / 1e6:9.2f} {rank0['total'] / 1e6:6.2f}          | {largest / 1e6:13.2f} "
-              f"{predicted / 1e6:9.2f} | {rank0['after_forward'] / 1e6:13.2f}")
+        print(
+            f"{world_size:>2} {strategy:>12} | {rank0['parameters'] / 1e6:10.2f} {rank0['gradients'] / 1e6:9.2f} "
+            f"{rank0['optimizer'] / 1e6:9.2f} {rank0['total'] / 1e6:6.2f}          | {largest / 1e6:13.2f} "
+            f"{predicted / 1e6:9.2f} | {rank0['after_forward'] / 1e6:13.2f}"
+        )
 
 # %% [markdown]
 # FSDP2 holds 1/N of everything, as stage 3 predicts, to within the rows that do not divide evenly. ZeRO-1 keeps
@@ -106,14 +113,20 @@ for world_size, ranks in measured.items():
 # %%
 mlp = DeepMLP()
 root_parameters = sum(p.numel() for module in (mlp.stem, mlp.head) for p in module.parameters())
-print(f"the root's own parameters (stem and head): {root_parameters:,}, {root_parameters / num_parameters:.0%} of the "
-      f"model; {1 + len(mlp.blocks)} units\n")
-print(f"{'N':>2} {'strategy':>24} | {'all-gathers per step':>20} | MB held: {'after forward':>13} {'backward start':>14}")
+print(
+    f"the root's own parameters (stem and head): {root_parameters:,}, {root_parameters / num_parameters:.0%} of the "
+    f"model; {1 + len(mlp.blocks)} units\n"
+)
+print(
+    f"{'N':>2} {'strategy':>24} | {'all-gathers per step':>20} | MB held: {'after forward':>13} {'backward start':>14}"
+)
 for world_size, ranks in measured.items():
     for strategy in ("fsdp-grad-op", "fsdp-full", "fsdp-full-root-resharded"):
         rank0 = ranks[0][strategy]
-        print(f"{world_size:>2} {strategy:>24} | {rank0['all_gathers']:>20} | {'':>8} "
-              f"{rank0['after_forward'] / 1e6:13.2f} {rank0['backward_start'] / 1e6:14.2f}")
+        print(
+            f"{world_size:>2} {strategy:>24} | {rank0['all_gathers']:>20} | {'':>8} "
+            f"{rank0['after_forward'] / 1e6:13.2f} {rank0['backward_start'] / 1e6:14.2f}"
+        )
 
 # %% [markdown]
 # Forcing the root to reshard saves its bytes only between the forward and the backward, when nothing computes;
@@ -134,10 +147,12 @@ shutil.rmtree(REPO / checkpoints, ignore_errors=True)
 steps = ["--max-batches-per-epoch", MAX_BATCHES] if MAX_BATCHES else []
 for sharding in ("none", "full"):
     extra = ["--checkpoint-dir", checkpoints] if sharding == "full" else []
-    output = launch("solutions/03_fsdp.py", "--dataset", "digits", "--epochs", 1, "--sharding", sharding,
-                    *steps, *extra).stdout
-    print("\n".join(line for line in output.splitlines() if "epoch 1/1" in line or "rank 0" in line
-                     or "sharding" in line))
+    output = launch(
+        "solutions/03_fsdp.py", "--dataset", "digits", "--epochs", 1, "--sharding", sharding, *steps, *extra
+    ).stdout
+    print(
+        "\n".join(line for line in output.splitlines() if "epoch 1/1" in line or "rank 0" in line or "sharding" in line)
+    )
 
 # %% [markdown]
 # ## A checkpoint from 2 processes, resumed by another number of them
@@ -150,10 +165,21 @@ for sharding in ("none", "full"):
 
 # %%
 print(sorted(path.name for path in (REPO / checkpoints / "epoch-0001").iterdir()))
-output = launch("solutions/03_fsdp.py", "--dataset", "digits", "--epochs", 2, *steps, "--checkpoint-dir", checkpoints,
-                "--resume", nproc=RESUME_NPROC).stdout
-print("\n".join(line for line in output.splitlines()
-                if "resumed" in line or "epoch 2/2" in line or "process(es)" in line))
+output = launch(
+    "solutions/03_fsdp.py",
+    "--dataset",
+    "digits",
+    "--epochs",
+    2,
+    *steps,
+    "--checkpoint-dir",
+    checkpoints,
+    "--resume",
+    nproc=RESUME_NPROC,
+).stdout
+print(
+    "\n".join(line for line in output.splitlines() if "resumed" in line or "epoch 2/2" in line or "process(es)" in line)
+)
 
 # %% [markdown]
 # ## Export: one plain state dict

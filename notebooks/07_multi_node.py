@@ -46,22 +46,53 @@ from common.fault_tolerance import list_checkpoints, read_verified
 from common.launch import REPO
 
 WORK = Path(tempfile.mkdtemp(prefix="lesson07-"))
-TRAINING = ["--dataset", "digits", "--epochs", EPOCHS, "--batch-size", 32, "--max-batches-per-epoch", MAX_BATCHES,
-            "--checkpoint-every", 4 if not QUICK else 2]
+TRAINING = [
+    "--dataset",
+    "digits",
+    "--epochs",
+    EPOCHS,
+    "--batch-size",
+    32,
+    "--max-batches-per-epoch",
+    MAX_BATCHES,
+    "--checkpoint-every",
+    4 if not QUICK else 2,
+]
 
 
 def rehearse(*args, launcher=(), check=True):
     """Two torchrun "nodes" on 127.0.0.1 running a repository script; returns the run, prints its own lines."""
-    command = [sys.executable, "scripts/rehearse_two_nodes.py", "--nproc-per-node", NPROC_PER_NODE,
-               "--timeout", 240, *launcher, "--", *args]
+    command = [
+        sys.executable,
+        "scripts/rehearse_two_nodes.py",
+        "--nproc-per-node",
+        NPROC_PER_NODE,
+        "--timeout",
+        240,
+        *launcher,
+        "--",
+        *args,
+    ]
     run = subprocess.run([str(part) for part in command], cwd=REPO, capture_output=True, text=True, timeout=300)
     if check:
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run
 
 
-def show(run, keep=("process(es)", "epoch ", "resumed", "identical", "rehearsal:", "fails on purpose", "busbw",
-                    "dist.all_reduce", "skipping")):
+def show(
+    run,
+    keep=(
+        "process(es)",
+        "epoch ",
+        "resumed",
+        "identical",
+        "rehearsal:",
+        "fails on purpose",
+        "busbw",
+        "dist.all_reduce",
+        "skipping",
+    ),
+):
     """The lines that matter, without torchrun's warnings and the tracebacks of the intended crash."""
     for line in run.stdout.splitlines():
         if any(word in line for word in keep) and "Traceback" not in line and "raise " not in line:
@@ -105,8 +136,15 @@ for node in (0, 1):
 # valid checkpoint and go on.
 
 # %%
-drill = rehearse("solutions/05_multi_node.py", *TRAINING, "--checkpoint-dir", WORK / "drill",
-                 "--fail-at-step", FAIL_AT, launcher=["--max-restarts", "1"])
+drill = rehearse(
+    "solutions/05_multi_node.py",
+    *TRAINING,
+    "--checkpoint-dir",
+    WORK / "drill",
+    "--fail-at-step",
+    FAIL_AT,
+    launcher=["--max-restarts", "1"],
+)
 show(drill)
 
 # %%
@@ -126,12 +164,22 @@ print(f"parameters bit-identical (torch.equal on every tensor): {identical}")
 # %%
 if SHOW_FAILURE:
     start = time.perf_counter()
-    failed = rehearse("solutions/05_multi_node.py", *TRAINING, "--checkpoint-dir", WORK / "no_restart",
-                      "--fail-at-step", 3, check=False)
+    failed = rehearse(
+        "solutions/05_multi_node.py",
+        *TRAINING,
+        "--checkpoint-dir",
+        WORK / "no_restart",
+        "--fail-at-step",
+        3,
+        check=False,
+    )
     lines = failed.stdout.splitlines()
     cause = next(i for i, line in enumerate(lines) if "Root Cause" in line)  # torchrun's summary: the first failure
-    print(f"exit status {failed.returncode} after {time.perf_counter() - start:.1f} s", *lines[cause:cause + 6],
-          sep="\n")
+    print(
+        f"exit status {failed.returncode} after {time.perf_counter() - start:.1f} s",
+        *lines[cause : cause + 6],
+        sep="\n",
+    )
     print("a launcher had to be stopped:", "rehearsal: stopping" in failed.stdout)
 
 # %% [markdown]
@@ -141,8 +189,16 @@ if SHOW_FAILURE:
 # reports nccl-tests' bus bandwidth, busbw = S/t x 2(N-1)/N. Here the "link" is the loopback interface.
 
 # %%
-bandwidth = rehearse("solutions/07_ring_allreduce.py", "--algorithms", "dist.all_reduce", "--sizes", *SIZES,
-                     "--iterations", 3 if QUICK else 5, launcher=["--nproc-per-node", 1])
+bandwidth = rehearse(
+    "solutions/07_ring_allreduce.py",
+    "--algorithms",
+    "dist.all_reduce",
+    "--sizes",
+    *SIZES,
+    "--iterations",
+    3 if QUICK else 5,
+    launcher=["--nproc-per-node", 1],
+)
 show(bandwidth, keep=("size", "dist.all_reduce", "rehearsal:"))
 
 # %% [markdown]
@@ -159,6 +215,11 @@ with socket.socket() as holder:
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     busy = holder.getsockname()[1]
-    refused = subprocess.run([sys.executable, "scripts/rehearse_two_nodes.py", "--port", str(busy), "--",
-                              "solutions/05_multi_node.py"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    refused = subprocess.run(
+        [sys.executable, "scripts/rehearse_two_nodes.py", "--port", str(busy), "--", "solutions/05_multi_node.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 print(f"exit status {refused.returncode}: {refused.stderr.strip()}")

@@ -37,8 +37,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SOLUTION_ARGS = ["--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "5"]  # a few batches of real data
 # import name -> package name, for what the solutions, benchmarks and tests import beyond the standard library
-REQUIRED = {"torch": "torch", "numpy": "numpy", "sklearn": "scikit-learn", "tqdm": "tqdm", "pytest": "pytest",
-            "matplotlib": "matplotlib", "yaml": "pyyaml"}
+REQUIRED = {
+    "torch": "torch",
+    "numpy": "numpy",
+    "sklearn": "scikit-learn",
+    "tqdm": "tqdm",
+    "pytest": "pytest",
+    "matplotlib": "matplotlib",
+    "yaml": "pyyaml",
+}
 TRACE_FILE = "ddp_step_trace.json.gz"
 
 
@@ -63,44 +70,154 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
     torchrun = ["torchrun", "--standalone", f"--nproc_per_node={num_gpus}"]
     steps = [
         Step("01_ddp_basic", "solutions", [*torchrun, "solutions/01_ddp_basic.py", *SOLUTION_ARGS], 180),
-        Step("02_gradient_accumulation", "solutions",
-             [*torchrun, "solutions/02_gradient_accumulation.py", *SOLUTION_ARGS], 180),
+        Step(
+            "02_gradient_accumulation",
+            "solutions",
+            [*torchrun, "solutions/02_gradient_accumulation.py", *SOLUTION_ARGS],
+            180,
+        ),
         Step("03_fsdp", "solutions", [*torchrun, "solutions/03_fsdp.py", *SOLUTION_ARGS, "--model", "mlp"], 180),
-        *(Step(f"04_mixed_precision {precision}", "solutions",
-               [*torchrun, "solutions/04_mixed_precision.py", *SOLUTION_ARGS, "--precision", precision], 180)
-          for precision in ("fp32", "bf16", "fp16")),
-        Step("05_multi_node (crash at step 3, one restart)", "solutions",
-             [*torchrun, "--max-restarts", "1", "solutions/05_multi_node.py", *SOLUTION_ARGS,
-              "--checkpoint-dir", str(scratch / "checkpoints"), "--checkpoint-every", "2", "--fail-at-step", "3"],
-             240, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
-        Step("07_ring_allreduce", "solutions",
-             [*torchrun, "solutions/07_ring_allreduce.py", "--sizes", "4K", "1M", "16M"], 180),
-        Step("08_dp_vs_ddp", "solutions",
-             [*torchrun, "solutions/08_dp_vs_ddp.py", "--model", "simplecnn", "--steps", "10"], 180),
-        Step("mixed precision", "benchmarks",
-             ["python", "benchmarks/mixed_precision.py", "--model", "simplecnn", "--batch-size", "256",
-              "--json", str(scratch / "mixed_precision.json")], 240, json_file="mixed_precision.json"),
+        *(
+            Step(
+                f"04_mixed_precision {precision}",
+                "solutions",
+                [*torchrun, "solutions/04_mixed_precision.py", *SOLUTION_ARGS, "--precision", precision],
+                180,
+            )
+            for precision in ("fp32", "bf16", "fp16")
+        ),
+        Step(
+            "05_multi_node (crash at step 3, one restart)",
+            "solutions",
+            [
+                *torchrun,
+                "--max-restarts",
+                "1",
+                "solutions/05_multi_node.py",
+                *SOLUTION_ARGS,
+                "--checkpoint-dir",
+                str(scratch / "checkpoints"),
+                "--checkpoint-every",
+                "2",
+                "--fail-at-step",
+                "3",
+            ],
+            240,
+            env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        ),
+        Step(
+            "07_ring_allreduce",
+            "solutions",
+            [*torchrun, "solutions/07_ring_allreduce.py", "--sizes", "4K", "1M", "16M"],
+            180,
+        ),
+        Step(
+            "08_dp_vs_ddp",
+            "solutions",
+            [*torchrun, "solutions/08_dp_vs_ddp.py", "--model", "simplecnn", "--steps", "10"],
+            180,
+        ),
+        Step(
+            "mixed precision",
+            "benchmarks",
+            [
+                "python",
+                "benchmarks/mixed_precision.py",
+                "--model",
+                "simplecnn",
+                "--batch-size",
+                "256",
+                "--json",
+                str(scratch / "mixed_precision.json"),
+            ],
+            240,
+            json_file="mixed_precision.json",
+        ),
     ]
     world_sizes = [size for size in (1, 2, 4, 8, 16, 32, 64) if size <= num_gpus]
-    steps += [Step(f"FSDP2 and ZeRO memory, {size} GPU(s)", "benchmarks",
-                   ["torchrun", "--standalone", f"--nproc_per_node={size}", "benchmarks/fsdp_memory.py",
-                    "--width", "4096", "--depth", "8", "--json", str(scratch / f"fsdp_memory_{size}.json")],
-                   180, json_file=f"fsdp_memory_{size}.json") for size in world_sizes]
     steps += [
-        Step("profile of a DDP step", "benchmarks",
-             [*torchrun, "benchmarks/profile_ddp_step.py", "--model", "simplecnn", "--batch-size", "256",
-              "--trace", str(out_dir / TRACE_FILE), "--json", str(scratch / "profile.json")],
-             180, json_file="profile.json"),
+        Step(
+            f"FSDP2 and ZeRO memory, {size} GPU(s)",
+            "benchmarks",
+            [
+                "torchrun",
+                "--standalone",
+                f"--nproc_per_node={size}",
+                "benchmarks/fsdp_memory.py",
+                "--width",
+                "4096",
+                "--depth",
+                "8",
+                "--json",
+                str(scratch / f"fsdp_memory_{size}.json"),
+            ],
+            180,
+            json_file=f"fsdp_memory_{size}.json",
+        )
+        for size in world_sizes
+    ]
+    steps += [
+        Step(
+            "profile of a DDP step",
+            "benchmarks",
+            [
+                *torchrun,
+                "benchmarks/profile_ddp_step.py",
+                "--model",
+                "simplecnn",
+                "--batch-size",
+                "256",
+                "--trace",
+                str(out_dir / TRACE_FILE),
+                "--json",
+                str(scratch / "profile.json"),
+            ],
+            180,
+            json_file="profile.json",
+        ),
         # the notebook tests need jupytext, which GPU machines may lack, and none of them is marked cuda
-        Step("tests marked cuda", "tests",
-             ["python", "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-o", "addopts=", "tests",
-              "--ignore=tests/test_notebooks.py"], 240),
+        Step(
+            "tests marked cuda",
+            "tests",
+            [
+                "python",
+                "-m",
+                "pytest",
+                "-q",
+                "-m",
+                "cuda",
+                "-p",
+                "no:cacheprovider",
+                "-o",
+                "addopts=",
+                "tests",
+                "--ignore=tests/test_notebooks.py",
+            ],
+            240,
+        ),
     ]
     process_counts = [count for count in (1, 2, 4, 8) if count <= cpu_cores]
-    steps.append(Step("DDP scaling on CPU cores (gloo)", "benchmarks",
-                      ["python", "benchmarks/ddp_scaling.py", "--nproc", *map(str, process_counts), "--cpu",
-                       "--threads", "1", "--epochs", "3", "--json", str(scratch / "ddp_scaling.json")],
-                      300, json_file="ddp_scaling.json"))
+    steps.append(
+        Step(
+            "DDP scaling on CPU cores (gloo)",
+            "benchmarks",
+            [
+                "python",
+                "benchmarks/ddp_scaling.py",
+                "--nproc",
+                *map(str, process_counts),
+                "--cpu",
+                "--threads",
+                "1",
+                "--epochs",
+                "3",
+                "--json",
+                str(scratch / "ddp_scaling.json"),
+            ],
+            300,
+            json_file="ddp_scaling.json",
+        )
+    )
     return steps
 
 
@@ -122,8 +239,15 @@ def first_error_line(output: str) -> str:
 def run_step(step: Step, timeout: float, env: dict, scratch: Path) -> dict:
     """Run one step in its own process group (a timeout ends torchrun's workers too); return what happened."""
     start = time.perf_counter()
-    process = subprocess.Popen(executable(step.command), cwd=REPO, env={**env, **step.env}, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        executable(step.command),
+        cwd=REPO,
+        env={**env, **step.env},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
         status = "pass" if process.returncode == 0 else "FAIL"
@@ -131,8 +255,14 @@ def run_step(step: Step, timeout: float, env: dict, scratch: Path) -> dict:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         status = "timeout"
-    result = {"name": step.name, "part": step.part, "command": step.shown(), "status": status,
-              "seconds": round(time.perf_counter() - start, 1), "output": output}
+    result = {
+        "name": step.name,
+        "part": step.part,
+        "command": step.shown(),
+        "status": status,
+        "seconds": round(time.perf_counter() - start, 1),
+        "output": output,
+    }
     if status != "pass":
         result["error"] = f"no result within {timeout:.0f} s" if status == "timeout" else first_error_line(output)
     if status == "pass" and step.json_file:
@@ -144,18 +274,26 @@ def machine_facts() -> dict:
     """The GPUs, the versions (PyTorch, CUDA, cuDNN, NCCL, driver, Python), the CPU cores and the date."""
     import torch
 
-    facts = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-             "gpus": [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())],
-             "torch": torch.__version__, "cuda": torch.version.cuda,
-             "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-             "cpu_cores": os.cpu_count()}
+    facts = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpus": [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": platform.python_version(),
+        "cpu_cores": os.cpu_count(),
+    }
     try:
         facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     except (AttributeError, RuntimeError):
         facts["nccl"] = None
     try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30)
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         facts["driver"] = driver.stdout.split()[0] if driver.stdout.split() else None
     except (OSError, subprocess.TimeoutExpired):
         facts["driver"] = None
@@ -172,12 +310,17 @@ def summary_markdown(report: dict) -> str:
     """The Markdown summary: versions, a pass/fail row per step, and each passing benchmark's printed output."""
     facts = report["facts"]
     gpus = facts["gpus"]
-    lines = [f"# GPU check, {facts['date']}", "",
-             f"- GPU: {gpus[0]} x {len(gpus)}" if gpus else "- GPU: none",
-             f"- PyTorch {facts['torch']}, CUDA {facts['cuda']}, cuDNN {facts['cudnn']}, NCCL {facts['nccl']}, "
-             f"driver {facts['driver']}, Python {facts['python']}, {facts['cpu_cores']} CPU cores",
-             f"- `make gpu-check`, {report['seconds']:.0f} s in all", "",
-             "| part | step | result | seconds | first error line |", "|---|---|---|---|---|"]
+    lines = [
+        f"# GPU check, {facts['date']}",
+        "",
+        f"- GPU: {gpus[0]} x {len(gpus)}" if gpus else "- GPU: none",
+        f"- PyTorch {facts['torch']}, CUDA {facts['cuda']}, cuDNN {facts['cudnn']}, NCCL {facts['nccl']}, "
+        f"driver {facts['driver']}, Python {facts['python']}, {facts['cpu_cores']} CPU cores",
+        f"- `make gpu-check`, {report['seconds']:.0f} s in all",
+        "",
+        "| part | step | result | seconds | first error line |",
+        "|---|---|---|---|---|",
+    ]
     for step in report["steps"]:
         error = step.get("error", "").replace("|", "/")
         lines.append(f"| {step['part']} | {step['name']} | {step['status']} | {step['seconds']} | {error} |")
@@ -190,20 +333,31 @@ def summary_markdown(report: dict) -> str:
 
 def is_noise(line: str) -> bool:
     """torchrun's thread warning banner and the profiler's logging: not the benchmark's output."""
-    return (line.startswith(("W1", "I1", "*****", "USDT:", "ERROR:", "WARNING:"))
-            or "OMP_NUM_THREADS" in line or "UserWarning" in line or "_warn_once(" in line or not line.strip())
+    return (
+        line.startswith(("W1", "I1", "*****", "USDT:", "ERROR:", "WARNING:"))
+        or "OMP_NUM_THREADS" in line
+        or "UserWarning" in line
+        or "_warn_once(" in line
+        or not line.strip()
+    )
 
 
 def write_results(folder: Path, report: dict) -> list[Path]:
     """Write ``gpu_check.json``, ``summary.md`` and ``logs.txt`` into ``folder``; return the paths."""
     folder.mkdir(parents=True, exist_ok=True)
-    data = {**report, "steps": [{key: value for key, value in step.items() if key != "output"}
-                                for step in report["steps"]]}
+    data = {
+        **report,
+        "steps": [{key: value for key, value in step.items() if key != "output"} for step in report["steps"]],
+    }
     paths = [folder / "gpu_check.json", folder / "summary.md", folder / "logs.txt"]
     paths[0].write_text(json.dumps(data, indent=2) + "\n")
     paths[1].write_text(summary_markdown(report))
-    paths[2].write_text("".join(f"=== {step['name']}: {step['command']} ({step['status']}, {step['seconds']} s)\n"
-                                f"{step['output']}\n" for step in report["steps"]))
+    paths[2].write_text(
+        "".join(
+            f"=== {step['name']}: {step['command']} ({step['status']}, {step['seconds']} s)\n{step['output']}\n"
+            for step in report["steps"]
+        )
+    )
     return paths
 
 
@@ -216,16 +370,35 @@ def install_wheels(wheels: Path, target: Path) -> None:
     """Install the wheels in ``wheels`` into ``target`` without the network; the caller puts it on PYTHONPATH."""
     found = sorted(wheels.glob("*.whl"))
     if found:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--target", str(target), *map(str, found)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                "--target",
+                str(target),
+                *map(str, found),
+            ],
+            check=True,
+        )
         sys.path.insert(0, str(target))
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--results", type=Path, default=REPO / "results",
-                        help="the results go into a folder named after the GPU inside this one")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=REPO / "results",
+        help="the results go into a folder named after the GPU inside this one",
+    )
     parser.add_argument("--budget", type=float, default=540, help="seconds for the whole check")
     parser.add_argument("--wheels", type=Path, default=REPO / ".whl", help="wheels to install first, if any")
     parser.add_argument("--dry-run", action="store_true", help="list the steps and run nothing")
@@ -248,27 +421,43 @@ def main(args) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print(f"gpu-check: no CUDA GPU visible to {sys.executable} (PyTorch {torch.__version__}); nothing to check "
-              "here, run it on a machine with an NVIDIA GPU (or add --dry-run to list what it runs)", file=sys.stderr)
+        print(
+            f"gpu-check: no CUDA GPU visible to {sys.executable} (PyTorch {torch.__version__}); nothing to check "
+            "here, run it on a machine with an NVIDIA GPU (or add --dry-run to list what it runs)",
+            file=sys.stderr,
+        )
         return 1
     facts = machine_facts()
     folder = args.results / folder_name(facts["gpus"])
     folder.mkdir(parents=True, exist_ok=True)
-    print(f"gpu-check: {len(facts['gpus'])} x {facts['gpus'][0]}, PyTorch {facts['torch']}; writing {folder}",
-          flush=True)
+    print(
+        f"gpu-check: {len(facts['gpus'])} x {facts['gpus'][0]}, PyTorch {facts['torch']}; writing {folder}", flush=True
+    )
     if missing:
-        print(f"gpu-check: missing {', '.join(missing)}: the steps that need them will fail; bring them as "
-              f"wheels in {args.wheels}", flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(scratch / "site"), str(REPO),
-                                                       os.environ.get("PYTHONPATH")]))}
+        print(
+            f"gpu-check: missing {', '.join(missing)}: the steps that need them will fail; bring them as "
+            f"wheels in {args.wheels}",
+            flush=True,
+        )
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(scratch / "site"), str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     start = time.perf_counter()
     report = {"facts": facts, "missing_packages": missing, "steps": [], "seconds": 0.0}
     for step in plan(len(facts["gpus"]), facts["cpu_cores"] or 1, folder, scratch):
         remaining = args.budget - (time.perf_counter() - start)
         if remaining < 20:
-            result = {"name": step.name, "part": step.part, "command": step.shown(), "status": "skipped",
-                      "seconds": 0, "output": "", "error": f"the {args.budget:.0f} s budget was spent"}
+            result = {
+                "name": step.name,
+                "part": step.part,
+                "command": step.shown(),
+                "status": "skipped",
+                "seconds": 0,
+                "output": "",
+                "error": f"the {args.budget:.0f} s budget was spent",
+            }
         else:
             result = run_step(step, min(step.timeout, remaining), env, scratch)
         report["steps"].append(result)
@@ -276,8 +465,10 @@ def main(args) -> int:
         print(f"  {result['status']:>7} {result['seconds']:>6} s  {step.name}  {result.get('error', '')}", flush=True)
         write_results(folder, report)  # after every step: a run cut short still leaves what it measured
     failed = [step["name"] for step in report["steps"] if step["status"] != "pass"]
-    print(f"gpu-check: {len(report['steps']) - len(failed)} of {len(report['steps'])} steps passed; "
-          f"results in {folder}", flush=True)
+    print(
+        f"gpu-check: {len(report['steps']) - len(failed)} of {len(report['steps'])} steps passed; results in {folder}",
+        flush=True,
+    )
     return 1 if failed else 0
 
 

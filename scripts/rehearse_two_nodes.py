@@ -58,10 +58,24 @@ def port_in_use(host: str, port: int) -> bool:
 def launcher_command(node: int, args, script_args: list[str]) -> list[str]:
     """The torchrun line that node ``node`` runs: the same on every node but for ``is_host``."""
     conf = f"is_host={int(node == 0)},join_timeout={args.join_timeout}"
-    return [TORCHRUN, "--nnodes", args.nnodes, "--nproc-per-node", str(args.nproc_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{args.host}:{args.port}", "--rdzv-id", args.rdzv_id,
-            "--rdzv-conf", conf, "--max-restarts", str(args.max_restarts),
-            *[part.replace("{node}", str(node)) for part in script_args]]
+    return [
+        TORCHRUN,
+        "--nnodes",
+        args.nnodes,
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{args.host}:{args.port}",
+        "--rdzv-id",
+        args.rdzv_id,
+        "--rdzv-conf",
+        conf,
+        "--max-restarts",
+        str(args.max_restarts),
+        *[part.replace("{node}", str(node)) for part in script_args],
+    ]
 
 
 def stream(node: int, process: subprocess.Popen, sink) -> None:
@@ -73,19 +87,29 @@ def stream(node: int, process: subprocess.Popen, sink) -> None:
 def rehearse(args, script_args: list[str]) -> int:
     """Start the launchers, relay their output, wait for them; return 0 if all succeeded, else an exit status."""
     if port_in_use(args.host, args.port):
-        print(f"error: rendezvous port {args.host}:{args.port} is already in use by another program. Pick "
-              f"another --port, or leave --port out to get a free one. Do not kill processes you did not start.",
-              file=sys.stderr)
+        print(
+            f"error: rendezvous port {args.host}:{args.port} is already in use by another program. Pick "
+            f"another --port, or leave --port out to get a free one. Do not kill processes you did not start.",
+            file=sys.stderr,
+        )
         return 2
     count = int(args.nnodes.split(":")[-1]) if args.launchers is None else args.launchers
-    print(f"rehearsal: {count} launcher(s) x {args.nproc_per_node} process(es), --nnodes {args.nnodes}, "
-          f"c10d rendezvous at {args.host}:{args.port}", flush=True)
+    print(
+        f"rehearsal: {count} launcher(s) x {args.nproc_per_node} process(es), --nnodes {args.nnodes}, "
+        f"c10d rendezvous at {args.host}:{args.port}",
+        flush=True,
+    )
     start = time.monotonic()
     processes, threads = [], []
     for node in range(count):  # in the caller's folder, like torchrun on a node: relative paths hold
-        process = subprocess.Popen(launcher_command(node, args, script_args), stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                   env={**RESTARTABLE, **os.environ, "PYTHONUNBUFFERED": "1"})
+        process = subprocess.Popen(
+            launcher_command(node, args, script_args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**RESTARTABLE, **os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         processes.append(process)
         threads.append(threading.Thread(target=stream, args=(node, process, sys.stdout), daemon=True))
         threads[-1].start()
@@ -122,8 +146,9 @@ def stop(processes) -> None:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--nnodes", default="2", help="torchrun's --nnodes: a number, or MIN:MAX (elastic)")
     parser.add_argument("--launchers", type=int, help="how many launchers to start (default: MAX of --nnodes)")
     parser.add_argument("--nproc-per-node", type=int, default=2)
@@ -133,8 +158,9 @@ def parse_args(argv=None):
     parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument("--join-timeout", type=int, default=120, help="seconds a launcher waits for the others")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the whole rehearsal is stopped")
-    parser.add_argument("--grace", type=float, default=30,
-                        help="seconds the other launchers get to end once one has failed")
+    parser.add_argument(
+        "--grace", type=float, default=30, help="seconds the other launchers get to end once one has failed"
+    )
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- then the training script and its options")
     args = parser.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script

@@ -48,8 +48,10 @@ def main(args):
 
 
 def train(args, env):
-    print0(f"{env.world_size} process(es), backend {env.backend}, device {env.device.type} | "
-           + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    print0(
+        f"{env.world_size} process(es), backend {env.backend}, device {env.device.type} | "
+        + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items())
+    )
     # Data: every rank builds the same data set; each sampler hands its rank a disjoint shard.
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)
@@ -77,8 +79,9 @@ def train(args, env):
     for epoch in range(start_epoch, args.epochs):
         train_iter.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same permutation on every rank
         history.start_epoch()
-        loss_sum, samples = train_one_epoch(net, progress_bar(train_iter, f"epoch {epoch + 1}/{args.epochs}"),
-                                            optimizer, env.device)
+        loss_sum, samples = train_one_epoch(
+            net, progress_bar(train_iter, f"epoch {epoch + 1}/{args.epochs}"), optimizer, env.device
+        )
         step += len(train_iter)
         history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter)  # evaluates on the whole test set
         if checkpoint:
@@ -87,8 +90,9 @@ def train(args, env):
     if not history.rows:
         print0(f"nothing to train: the checkpoint has {start_epoch} epoch(s) and --epochs is {args.epochs}")
     # Every rank applied the same averaged gradients, so the replicas must still be identical, bit for bit.
-    finish_run(net, history, args, batch_size_per_process=args.batch_size,
-               global_batch_size=args.batch_size * env.world_size)
+    finish_run(
+        net, history, args, batch_size_per_process=args.batch_size, global_batch_size=args.batch_size * env.world_size
+    )
 
 
 def train_one_epoch(net, batches, optimizer, device):

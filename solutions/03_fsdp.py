@@ -29,17 +29,29 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.distributed import print0, process_group, replicas_in_sync, set_seed
-from common.fsdp import (check_sharding_arguments, epoch_checkpoint_dir, export_full_state_dict, latest_checkpoint,
-                         make_mesh, mixed_precision_policy, report_model_state, reshard, sharding_arguments)
+from common.fsdp import (
+    check_sharding_arguments,
+    epoch_checkpoint_dir,
+    export_full_state_dict,
+    latest_checkpoint,
+    make_mesh,
+    mixed_precision_policy,
+    report_model_state,
+    reshard,
+    sharding_arguments,
+)
+
 # BEGIN LAB: every rank writes its own shards, with torch.distributed.checkpoint
 # get_state_dict(net, optimizer) gives the sharded state dicts: dcp.save them and {"epoch": epoch, "step": step}
 # into a temporary folder, which global rank 0 renames to `path` once every rank has written.
 from common.fsdp import save_sharded_checkpoint  # isort: skip
+
 # END LAB
 # BEGIN LAB: load the shards back, at any world size
 # dcp.load fills state dicts that already have this run's sharded layout (get_state_dict); set_state_dict puts
 # them in place. Return the progress.
 from common.fsdp import load_sharded_checkpoint  # isort: skip
+
 # END LAB
 from common.memory import local_bytes, training_state_bytes
 from common.models import MODELS
@@ -60,8 +72,10 @@ def main(args):
 
 
 def train(args, env):
-    print0(f"{env.world_size} process(es), backend {env.backend}, device {env.device.type} | sharding "
-           f"{args.sharding}, precision {args.precision}, model {args.model}")
+    print0(
+        f"{env.world_size} process(es), backend {env.backend}, device {env.device.type} | sharding "
+        f"{args.sharding}, precision {args.precision}, model {args.model}"
+    )
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)
 
@@ -81,22 +95,31 @@ def train(args, env):
     for epoch in range(start_epoch, args.epochs):
         train_iter.sampler.set_epoch(epoch)
         history.start_epoch()
-        loss_sum, samples, state_bytes = train_one_epoch(net, progress_bar(train_iter, f"epoch {epoch + 1}"),
-                                                         optimizer, env.device)
+        loss_sum, samples, state_bytes = train_one_epoch(
+            net, progress_bar(train_iter, f"epoch {epoch + 1}"), optimizer, env.device
+        )
         step += len(train_iter)
         history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter)
         reshard(net)  # evaluation's forwards (no backward) left the root gathered, and under grad-op every block
         if args.checkpoint_dir:
-            save_sharded_checkpoint(epoch_checkpoint_dir(args.checkpoint_dir, epoch + 1), net, optimizer, epoch + 1,
-                                    step)
+            save_sharded_checkpoint(
+                epoch_checkpoint_dir(args.checkpoint_dir, epoch + 1), net, optimizer, epoch + 1, step
+            )
     if args.checkpoint_dir:  # one plain state_dict for a model without any wrapper
         export_full_state_dict(args.checkpoint_dir / "model_full.pt", net)
 
     in_sync = replicas_in_sync(net)  # gathers the shards: a collective
     print0(f"full parameters identical on all {env.world_size} rank(s): {in_sync}")
     memory = report_model_state(env, num_parameters, args.sharding, state_bytes)  # every rank's, and ZeRO's
-    write_metrics(history, args, sharding=args.sharding, precision=args.precision, num_parameters=num_parameters,
-                  parameters_in_sync=in_sync, **memory)
+    write_metrics(
+        history,
+        args,
+        sharding=args.sharding,
+        precision=args.precision,
+        num_parameters=num_parameters,
+        parameters_in_sync=in_sync,
+        **memory,
+    )
 
 
 def shard_model(model, env, sharding: str, precision: str = "fp32", offload: bool = False):

@@ -13,8 +13,14 @@ PYTHON = sys.executable
 
 # Point urllib at a closed local port: a download fails at once, online or offline, so tests of the
 # "data set missing" path are the same on every machine.
-NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
-              "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+NO_NETWORK = {
+    "http_proxy": "http://127.0.0.1:9",
+    "https_proxy": "http://127.0.0.1:9",
+    "HTTP_PROXY": "http://127.0.0.1:9",
+    "HTTPS_PROXY": "http://127.0.0.1:9",
+    "no_proxy": "",
+    "NO_PROXY": "",
+}
 
 
 @dataclass
@@ -33,8 +39,9 @@ def run_command(args, timeout: float, cwd=REPO, env_extra=None) -> Run:
     """Run a command to completion within ``timeout`` seconds (a hang fails the test) and capture its output."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     start = time.monotonic()
-    completed = subprocess.run([str(arg) for arg in args], cwd=cwd, env=env, capture_output=True, text=True,
-                               timeout=timeout)
+    completed = subprocess.run(
+        [str(arg) for arg in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     return Run(completed.returncode, completed.stdout, completed.stderr, time.monotonic() - start)
 
 

@@ -28,7 +28,7 @@ def write_fashion_mnist(data_dir, train_size: int = 512, test_size: int = 128, s
         labels = rng.integers(0, 10, size)
         images = rng.integers(0, 80, (size, 28, 28))
         for row, label in enumerate(labels):
-            images[row, 2 + 2 * label: 4 + 2 * label, :] = 255  # class k lights rows 2k+2 and 2k+3
+            images[row, 2 + 2 * label : 4 + 2 * label, :] = 255  # class k lights rows 2k+2 and 2k+3
         write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
         write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
     return raw

@@ -10,8 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from common.batchnorm import (batch_norm_across_ranks, batch_norm_batch, batch_norm_statistics_through_ddp,
-                              ddp_batch_norm_batch, running_statistics, synchronize_batch_norms)
+from common.batchnorm import (
+    batch_norm_across_ranks,
+    batch_norm_batch,
+    batch_norm_statistics_through_ddp,
+    ddp_batch_norm_batch,
+    running_statistics,
+    synchronize_batch_norms,
+)
 from common.distributed import get_rank, set_seed
 from common.launch import run_on_ranks
 from common.models import SimpleCNN
@@ -95,8 +101,10 @@ def test_sync_batch_norm_has_no_cpu_implementation_in_this_pytorch(world_size):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="nn.SyncBatchNorm needs CUDA tensors in PyTorch 2.14; this machine has no CUDA device")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="nn.SyncBatchNorm needs CUDA tensors in PyTorch 2.14; this machine has no CUDA device",
+)
 def test_sync_batch_norm_on_a_gpu_equals_one_process_on_the_whole_batch(batch_norm_ranks):
     features, buffers = whole_batch_reference()  # on the CPU
     for rank, half in zip(batch_norm_ranks, features.chunk(2)):
@@ -127,7 +135,8 @@ def assert_statistics(buffers, expected):
 
 
 def test_with_forward_sync_buffers_each_rank_ends_with_rank_0s_statistics_updated_by_its_own_last_batch(
-        batch_norm_through_ddp):
+    batch_norm_through_ddp,
+):
     rank_0, rank_1 = (rank["forward_sync_buffers=True"]["trained"] for rank in batch_norm_through_ddp)
     assert_statistics(rank_0, hand_computed([0, 0, 0]))  # rank 0's own batches only: one shard's statistics
     assert_statistics(rank_1, hand_computed([0, 0, 1]))  # rank 0's, broadcast at the last forward, then its own
@@ -140,9 +149,11 @@ def test_without_forward_sync_buffers_each_rank_keeps_the_statistics_of_its_own_
 
 
 def test_synchronized_batch_norm_through_ddp_gives_every_rank_the_statistics_of_the_global_batches(
-        batch_norm_through_ddp):
-    global_batches = [torch.cat([ddp_batch_norm_batch(rank, step) for rank in range(2)])
-                      for step in range(DDP_BATCH_NORM_STEPS)]
+    batch_norm_through_ddp,
+):
+    global_batches = [
+        torch.cat([ddp_batch_norm_batch(rank, step) for rank in range(2)]) for step in range(DDP_BATCH_NORM_STEPS)
+    ]
     for result in batch_norm_through_ddp:
         assert_statistics(result["synchronized (common/batchnorm.py)"]["trained"], running_statistics(global_batches))
 
@@ -152,8 +163,9 @@ def test_evaluating_through_the_ddp_wrapper_gives_every_rank_rank_0s_statistics(
         # The eval forward starts with the broadcast of rank 0's buffers; BatchNorm in eval mode changes nothing.
         assert_statistics(result["forward_sync_buffers=True"]["evaluated_through_ddp"], hand_computed([0, 0, 0]))
     # Without the broadcast, each rank evaluates its shard with its own statistics.
-    assert_statistics(batch_norm_through_ddp[1]["forward_sync_buffers=False"]["evaluated_through_ddp"],
-                      hand_computed([1, 1, 1]))
+    assert_statistics(
+        batch_norm_through_ddp[1]["forward_sync_buffers=False"]["evaluated_through_ddp"], hand_computed([1, 1, 1])
+    )
 
 
 def test_ddp_refuses_sync_batch_norm_on_cpu_in_this_pytorch(batch_norm_through_ddp):

@@ -8,8 +8,10 @@ from tests.conftest import PYTHON, REPO, load_script, run_command, torchrun
 
 
 def test_the_scaling_benchmark_prints_a_row_per_process_count():
-    run = run_command([PYTHON, REPO / "benchmarks/ddp_scaling.py", "--nproc", "1", "--dataset", "digits",
-                       "--epochs", "1"], timeout=120)
+    run = run_command(
+        [PYTHON, REPO / "benchmarks/ddp_scaling.py", "--nproc", "1", "--dataset", "digits", "--epochs", "1"],
+        timeout=120,
+    )
     assert run.returncode == 0, run.output
     header, row = run.stdout.strip().splitlines()[-2:]
     assert header.split()[:4] == ["processes", "backend", "device", "samples/s"]
@@ -17,19 +19,49 @@ def test_the_scaling_benchmark_prints_a_row_per_process_count():
 
 
 def test_the_accumulation_benchmark_counts_one_all_reduce_round_per_effective_step_under_no_sync():
-    run = torchrun("benchmarks/grad_accumulation.py", "--model", "lenet", "--batch-size", "2", "--accum-steps", "4",
-                   "--steps", "2", "--rounds", "1", nproc=2, timeout=120)
+    run = torchrun(
+        "benchmarks/grad_accumulation.py",
+        "--model",
+        "lenet",
+        "--batch-size",
+        "2",
+        "--accum-steps",
+        "4",
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        nproc=2,
+        timeout=120,
+    )
     assert run.returncode == 0, run.output
-    rows = {line.rsplit(None, 3)[0].strip(): line.rsplit(None, 3)[1:] for line in run.stdout.splitlines()
-            if line.strip().startswith(("allreduce every", "no_sync"))}
+    rows = {
+        line.rsplit(None, 3)[0].strip(): line.rsplit(None, 3)[1:]
+        for line in run.stdout.splitlines()
+        if line.strip().startswith(("allreduce every", "no_sync"))
+    }
     every, no_sync = rows["allreduce every micro"], rows["no_sync on k-1 of k"]
     assert float(every[0]) == 4 * float(no_sync[0]) and float(no_sync[0]) >= 1  # calls per effective step
     assert float(no_sync[1]) > 0 and float(every[1]) == pytest.approx(4 * float(no_sync[1]), abs=0.04)  # MB, 2 decimals
 
 
 def test_the_mixed_precision_benchmark_prints_a_row_per_precision_and_bf16_saves_less_for_backward():
-    run = run_command([PYTHON, REPO / "benchmarks/mixed_precision.py", "--batch-size", "16", "--steps", "2",
-                       "--rounds", "1", "--precisions", "fp32", "bf16"], timeout=120)
+    run = run_command(
+        [
+            PYTHON,
+            REPO / "benchmarks/mixed_precision.py",
+            "--batch-size",
+            "16",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+            "--precisions",
+            "fp32",
+            "bf16",
+        ],
+        timeout=120,
+    )
     assert run.returncode == 0, run.output
     header, fp32, bf16 = (line.split() for line in run.stdout.strip().splitlines()[-3:])
     assert header == ["precision", "samples/s", "ms/step", "vs", "fp32", "saved", "MiB", "peak", "MiB"]
@@ -63,11 +95,15 @@ def test_the_restart_drill_repeats_the_fault_drill_exactly_as_the_solution_print
     """The drill itself runs in tests/test_documented_commands.py; here, that the benchmark runs that same line."""
     source = (REPO / "solutions/05_multi_node.py").read_text()
     unwrapped = re.sub(r"\\\n\s*", " ", source)  # a shell's line continuation, done independently of the benchmark
-    documented = next(" ".join(line.split()) for line in unwrapped.splitlines()
-                      if "--fail-at-step" in line and "--max-restarts" in line and "--standalone" in line)
+    documented = next(
+        " ".join(line.split())
+        for line in unwrapped.splitlines()
+        if "--fail-at-step" in line and "--max-restarts" in line and "--standalone" in line
+    )
     with_variable = run_command([PYTHON, REPO / "benchmarks/restart_drill.py", "--print-command"], timeout=60)
-    without = run_command([PYTHON, REPO / "benchmarks/restart_drill.py", "--print-command", "--without-variable"],
-                          timeout=60)
+    without = run_command(
+        [PYTHON, REPO / "benchmarks/restart_drill.py", "--print-command", "--without-variable"], timeout=60
+    )
     assert with_variable.returncode == 0 and without.returncode == 0, with_variable.output + without.output
     assert with_variable.stdout.strip() == documented
     assert documented.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ")
@@ -76,21 +112,36 @@ def test_the_restart_drill_repeats_the_fault_drill_exactly_as_the_solution_print
 
 def test_the_restart_drill_reports_why_a_run_failed_not_the_intended_failure():
     drill = load_script(REPO / "benchmarks/restart_drill.py")
-    output = ("[rank1]: RuntimeError: --fail-at-step 30: rank 1 fails on purpose (attempt 0)\n"
-              "[rank0]: RuntimeError: Gloo connectFullMesh failed with ... Connection refused\n")
-    assert drill.failure_lines(output) == ["[rank0]: RuntimeError: Gloo connectFullMesh failed with ... "
-                                           "Connection refused"]
+    output = (
+        "[rank1]: RuntimeError: --fail-at-step 30: rank 1 fails on purpose (attempt 0)\n"
+        "[rank0]: RuntimeError: Gloo connectFullMesh failed with ... Connection refused\n"
+    )
+    assert drill.failure_lines(output) == [
+        "[rank0]: RuntimeError: Gloo connectFullMesh failed with ... Connection refused"
+    ]
 
 
 def test_the_allreduce_benchmark_counts_the_messages_and_predicts_each_allreduce_from_its_building_blocks():
-    run = torchrun("benchmarks/allreduce_bandwidth.py", "--sizes", "4", "12K", "--rounds", "1", "--iterations", "1",
-                   nproc=3, timeout=180)
+    run = torchrun(
+        "benchmarks/allreduce_bandwidth.py",
+        "--sizes",
+        "4",
+        "12K",
+        "--rounds",
+        "1",
+        "--iterations",
+        "1",
+        nproc=3,
+        timeout=180,
+    )
     assert run.returncode == 0, run.output
     counts = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["naive"], ["ring"])]
     # algorithm, rank, sends, receives, sent and received in units of S: 3 ranks
-    assert counts == [["naive", "0", "2", "2", "2.000", "2.000"], ["naive", "1", "1", "1", "1.000", "1.000"],
-                      ["naive", "2", "1", "1", "1.000", "1.000"]] + [
-                     ["ring", str(rank), "4", "4", "1.333", "1.333"] for rank in range(3)]
+    assert counts == [
+        ["naive", "0", "2", "2", "2.000", "2.000"],
+        ["naive", "1", "1", "1", "1.000", "1.000"],
+        ["naive", "2", "1", "1", "1.000", "1.000"],
+    ] + [["ring", str(rank), "4", "4", "1.333", "1.333"] for rank in range(3)]
     # Two sizes timed once each on a loaded machine can fit a negative term: the line's form is what is checked.
     assert re.search(r"one-way: a = -?[\d.]+ ms per message, B = -?[\d.]+ GB/s", run.stdout)
     rows = [line.split() for line in run.stdout.split("4. allreduce")[1].splitlines() if line.split()[:1] == ["12K"]]
@@ -98,9 +149,13 @@ def test_the_allreduce_benchmark_counts_the_messages_and_predicts_each_allreduce
 
 
 def test_the_scaler_sync_benchmark_counts_one_host_read_per_step_in_step_and_one_per_get_scale():
-    run = run_command([PYTHON, REPO / "benchmarks/scaler_sync.py", "--device", "cpu", "--steps", "2", "--rounds", "1"],
-                      timeout=120)
+    run = run_command(
+        [PYTHON, REPO / "benchmarks/scaler_sync.py", "--device", "cpu", "--steps", "2", "--rounds", "1"], timeout=120
+    )
     assert run.returncode == 0, run.output
-    reads = {line[:28].strip(): int(line[28:].split()[0]) for line in run.stdout.splitlines()
-             if line.strip().startswith(("no skip", "get_scale"))}
+    reads = {
+        line[:28].strip(): int(line[28:].split()[0])
+        for line in run.stdout.splitlines()
+        if line.strip().startswith(("no skip", "get_scale"))
+    }
     assert reads == {"no skip count": 1, "get_scale after update": 2, "get_scale before and after": 3}

@@ -69,8 +69,16 @@ def test_a_failed_write_leaves_the_previous_file_whole_and_no_temporary_file(tmp
 
 def test_loading_refuses_a_checkpoint_that_would_run_code(tmp_path):
     model, optimizer = trained_lenet(seed=0)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1, "step": 1,
-                "payload": ArbitraryObject()}, tmp_path / "ckpt.pt")
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "epoch": 1,
+            "step": 1,
+            "payload": ArbitraryObject(),
+        },
+        tmp_path / "ckpt.pt",
+    )
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         load_checkpoint(tmp_path / "ckpt.pt", model, optimizer)
 
@@ -88,8 +96,7 @@ def save_then_load_everywhere(env, path):
     save_checkpoint(path, model, optimizer, epoch=2, step=7)
     fresh = LeNet()
     state = load_checkpoint(path, fresh, device=env.device)
-    return {"state": state, "params": [p.detach() for p in fresh.parameters()],
-            "saved": saved if env.rank == 0 else []}
+    return {"state": state, "params": [p.detach() for p in fresh.parameters()], "saved": saved if env.rank == 0 else []}
 
 
 def test_rank_0_saves_and_every_rank_loads_the_same_weights(tmp_path):
@@ -114,8 +121,13 @@ def resume_through_a_fresh_ddp_wrapper(env, batch_size: int = 2) -> dict:
     import torch.distributed as dist
 
     generator = torch.Generator().manual_seed(env.rank)  # fixed data, different on every rank
-    steps = [(torch.randn(batch_size, 1, 28, 28, generator=generator),
-              torch.randint(0, 10, (batch_size,), generator=generator)) for _ in range(2)]
+    steps = [
+        (
+            torch.randn(batch_size, 1, 28, 28, generator=generator),
+            torch.randint(0, 10, (batch_size,), generator=generator),
+        )
+        for _ in range(2)
+    ]
     ranks_0_and_1 = dist.new_group([0, 1])  # every rank takes part in creating a group
 
     def step(net, optimizer, X, y):
@@ -149,8 +161,10 @@ def resume_through_a_fresh_ddp_wrapper(env, batch_size: int = 2) -> dict:
             optimizer.load_state_dict(checkpoint["optimizer"])
             step(net, optimizer, *steps[1])  # the fresh wrapper's first step: its initial buckets
             results[f"{world_size} ranks, {name}"] = {
-                "uninterrupted": uninterrupted, "resumed": [p.detach().clone() for p in net.module.parameters()],
-                "layouts": [uninterrupted_layout, bucket_layout(net)]}
+                "uninterrupted": uninterrupted,
+                "resumed": [p.detach().clone() for p in net.module.parameters()],
+                "layouts": [uninterrupted_layout, bucket_layout(net)],
+            }
     dist.barrier()  # ranks 2 and 3 leave only once ranks 0 and 1 are done with their group
     return results
 
@@ -170,8 +184,7 @@ def ulps_at_tensor_scale(a, b):
     return ulps
 
 
-def test_with_4_ranks_and_default_buckets_a_step_resumed_through_a_fresh_ddp_wrapper_is_off_by_rounding(
-        resumed_steps):
+def test_with_4_ranks_and_default_buckets_a_step_resumed_through_a_fresh_ddp_wrapper_is_off_by_rounding(resumed_steps):
     case = resumed_steps["4 ranks, default"]
     uninterrupted, resumed = case["uninterrupted"], case["resumed"]
     rebuilt, initial = case["layouts"]
@@ -181,8 +194,10 @@ def test_with_4_ranks_and_default_buckets_a_step_resumed_through_a_fresh_ddp_wra
     differing = sum(int((x != y).sum()) for x, y in zip(uninterrupted, resumed))
     largest = max(float((x - y).abs().max()) for x, y in zip(uninterrupted, resumed))
     ulps = ulps_at_tensor_scale(uninterrupted, resumed)
-    figure = (f"{differing} of {sum(x.numel() for x in uninterrupted)} parameters differ, by at most {largest:.3g}; "
-              f"per tensor, in ulps at its largest |value|: {ulps}")
+    figure = (
+        f"{differing} of {sum(x.numel() for x in uninterrupted)} parameters differ, by at most {largest:.3g}; "
+        f"per tensor, in ulps at its largest |value|: {ulps}"
+    )
     print(f"\n4 ranks, DDP defaults, resumed vs uninterrupted step 2: {figure}")
     assert differing > 0, figure
     # Rounding, not a wrong gradient: no tensor moves by more than 2 ulps of its largest value.

@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
+from common import metrics
 from common.cli import non_negative_int, positive_float, positive_int
 from common.distributed import DistEnv
-from common import metrics
 from common.metrics import run_summary, write_json
 
 

@@ -32,8 +32,10 @@ def test_digits_are_scikit_learns_bundled_digits():
 
 
 def test_loading_digits_does_not_import_scikit_learn():
-    code = ("import sys; from common.data import load_data; load_data('digits'); "
-            "print(sorted(name for name in ('sklearn', 'scipy') if name in sys.modules))")
+    code = (
+        "import sys; from common.data import load_data; load_data('digits'); "
+        "print(sorted(name for name in ('sklearn', 'scipy') if name in sys.modules))"
+    )
     run = run_command([PYTHON, "-c", code], timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.output
 
@@ -103,9 +105,12 @@ def test_shards_are_disjoint_and_cover_the_data_set_with_padding():
 
 def test_training_padding_repeats_the_first_indices_of_the_shuffled_permutation_not_of_the_data_set():
     world_size, seed = 3, 0
-    shards = [torch.cat([X for (X,) in make_loader(TensorDataset(torch.arange(10)), 4, rank, world_size,
-                                                   train=True, seed=seed)]).tolist()
-              for rank in range(world_size)]
+    shards = [
+        torch.cat(
+            [X for (X,) in make_loader(TensorDataset(torch.arange(10)), 4, rank, world_size, train=True, seed=seed)]
+        ).tolist()
+        for rank in range(world_size)
+    ]
     # DistributedSampler draws randperm with the generator seeded by seed + epoch (epoch 0 here).
     permutation = torch.randperm(10, generator=torch.Generator().manual_seed(seed)).tolist()
     padded = [shards[position % world_size][position // world_size] for position in range(12)]
@@ -163,9 +168,11 @@ def global_rng_states():
     return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
 
 
-@pytest.mark.parametrize("dataset, num_workers", [(Squares(), 0), (Squares(), 2),
-                                                  (TensorDataset(torch.zeros(9, 1), torch.arange(9)), 0)],
-                         ids=["DataLoader-0-workers", "DataLoader-2-workers", "TensorBatchLoader"])
+@pytest.mark.parametrize(
+    "dataset, num_workers",
+    [(Squares(), 0), (Squares(), 2), (TensorDataset(torch.zeros(9, 1), torch.arange(9)), 0)],
+    ids=["DataLoader-0-workers", "DataLoader-2-workers", "TensorBatchLoader"],
+)
 def test_creating_and_iterating_a_loader_draws_nothing_from_the_global_rngs(dataset, num_workers):
     # A DataLoader iterator draws its workers' base seed from the loader's generator, or from the global RNG
     # without one. Dropout draws from the global RNG too, so a hidden draw there would shift every mask after

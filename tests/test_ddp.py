@@ -22,8 +22,10 @@ STEPS, BATCH, LR = 3, 16, 0.1
 
 def batches():
     generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 1, 28, 28, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(BATCH, 1, 28, 28, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator))
+        for _ in range(STEPS)
+    ]
 
 
 def sgd_steps(model, shards):
@@ -44,8 +46,11 @@ def train_on_half_batches(env):
     set_seed(0)
     local_model = LeNet()
     without_sync = sgd_steps(local_model, shards)
-    return {"ddp": with_ddp, "no_sync": without_sync,
-            "in_sync": [replicas_in_sync(ddp_model), replicas_in_sync(local_model)]}
+    return {
+        "ddp": with_ddp,
+        "no_sync": without_sync,
+        "in_sync": [replicas_in_sync(ddp_model), replicas_in_sync(local_model)],
+    }
 
 
 def test_ddp_on_two_half_batches_equals_one_process_on_the_whole_batch():
@@ -68,9 +73,12 @@ def test_ddp_construction_gives_every_rank_the_weights_of_rank_0():
     assert all(rank["after"] == ranks[0]["before"] for rank in ranks)
 
 
-BUCKET_CONFIGURATIONS = {"default": {}, "bucket_cap_mb=0.3": {"bucket_cap_mb": 0.3},
-                         "find_unused_parameters=True": {"find_unused_parameters": True}}
-MiB = 2 ** 20
+BUCKET_CONFIGURATIONS = {
+    "default": {},
+    "bucket_cap_mb=0.3": {"bucket_cap_mb": 0.3},
+    "find_unused_parameters=True": {"find_unused_parameters": True},
+}
+MiB = 2**20
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +134,8 @@ def test_ddp_rebuilds_its_buckets_after_the_first_step_in_the_order_gradients_be
 
 
 def test_with_find_unused_parameters_ddp_cuts_buckets_from_the_first_parameter_reverses_them_and_never_rebuilds(
-        buckets):
+    buckets,
+):
     # Cut from model.parameters() in order, the first cut (the first layers) at 1 MiB, then reversed: the bucket
     # with the last layers goes first. The same buckets at every step.
     expected = cut_greedily(list(mlp_parameter_bytes()), [MiB, 25 * MiB])[::-1]

@@ -10,8 +10,18 @@ import torch
 import torch.distributed as dist
 
 from common import distributed
-from common.distributed import (ConfigurationError, all_reduce_mean, all_reduce_sum, choose_backend, global_mean,
-                                main_process_first, print0, set_seed, setup_distributed, teardown_distributed)
+from common.distributed import (
+    ConfigurationError,
+    all_reduce_mean,
+    all_reduce_sum,
+    choose_backend,
+    global_mean,
+    main_process_first,
+    print0,
+    set_seed,
+    setup_distributed,
+    teardown_distributed,
+)
 from common.launch import run_on_ranks
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -20,9 +30,11 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "M
 @pytest.fixture
 def gpus(monkeypatch):
     """Pretend this machine has ``n`` CUDA devices."""
+
     def pretend(n):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
     return pretend
 
 
@@ -79,11 +91,14 @@ def test_plain_python_is_a_world_of_one(no_torchrun):
     teardown_distributed()  # a second call is harmless
 
 
-@pytest.mark.parametrize("variables, message", [
-    ({"RANK": "one"}, "RANK='one' is not an integer"),
-    ({"RANK": "2", "WORLD_SIZE": "2"}, "outside WORLD_SIZE"),
-    ({"RANK": "0", "WORLD_SIZE": "2"}, "launch with torchrun"),
-])
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        ({"RANK": "one"}, "RANK='one' is not an integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "outside WORLD_SIZE"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "launch with torchrun"),
+    ],
+)
 def test_inconsistent_environment_is_a_clear_error(no_torchrun, monkeypatch, variables, message):
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
@@ -127,8 +142,11 @@ def test_main_process_first_runs_the_body_without_a_group():
 
 def reduce_rank_values(env):
     values = [float(10 * env.rank + i) for i in range(env.rank + 1)]  # rank r holds r+1 values
-    return {"mean": all_reduce_mean(float(env.rank)).item(), "sum": all_reduce_sum([1.0, env.rank]).tolist(),
-            "global_mean": global_mean(sum(values), len(values))}
+    return {
+        "mean": all_reduce_mean(float(env.rank)).item(),
+        "sum": all_reduce_sum([1.0, env.rank]).tolist(),
+        "global_mean": global_mean(sum(values), len(values)),
+    }
 
 
 def test_reductions_equal_the_mean_over_ranks_and_over_samples():
@@ -142,11 +160,13 @@ def test_reductions_equal_the_mean_over_ranks_and_over_samples():
 def write_once(env, folder):
     """Each rank, inside main_process_first, records whether rank 0's file already existed."""
     from pathlib import Path
+
     marker = Path(folder) / "downloaded"
     with main_process_first():
         found = marker.exists()
         if env.rank == 0:
             import time
+
             time.sleep(0.5)  # a slow "download": the others must still wait for it
             marker.write_text("data")
     return found

@@ -49,8 +49,12 @@ FOUR_GPUS = "written for a machine with 4 GPUs (NCCL)"
 MEASURES = "a benchmark, which measures for minutes by design"
 # These cost a minute each here, and the lab test runs the very same launch and settings, in folders of its own.
 SAME_LAUNCH = "the same rehearsal, with the same settings and its own folders, runs in tests/labs/test_05_multi_node.py"
-SMALL_PRECISION = ("tests/test_benchmarks.py::test_the_mixed_precision_benchmark_prints_a_row_per_precision_and_"
-                   "bf16_saves_less_for_backward runs it on small settings")
+SMALL_PRECISION = (
+    "tests/test_benchmarks.py::test_the_mixed_precision_benchmark_prints_a_row_per_precision_and_"
+    "bf16_saves_less_for_backward runs it on small settings"
+)
+# Each reason hangs under its command, which the formatter would not keep.
+# fmt: off
 NOT_RUN = {
     "torchrun --standalone --nproc_per_node=4 solutions/01_ddp_basic.py":
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twin (--dataset digits) runs here",
@@ -101,6 +105,7 @@ NOT_RUN = {
     ".venv/bin/python -m pytest tests/test_memory.py tests/test_fsdp.py tests/labs/test_03_fsdp.py":
         "test files of this suite, which the suite runs itself",
 }
+# fmt: on
 
 
 def markdown_commands(path):
@@ -139,8 +144,13 @@ def script_of(command: str):
 @pytest.fixture(scope="module")
 def help_texts():
     """Each script's ``--help``, from one Python process (one import of torch instead of one per script)."""
-    scripts = sorted({script for script in map(script_of, (command for _, command in COMMANDS.values()))
-                      if script and script.split("/")[0] in LINKED})
+    scripts = sorted(
+        {
+            script
+            for script in map(script_of, (command for _, command in COMMANDS.values()))
+            if script and script.split("/")[0] in LINKED
+        }
+    )
     program = (
         "import contextlib, io, json, runpy, sys\n"
         "texts = {}\n"
@@ -152,7 +162,8 @@ def help_texts():
         "        except SystemExit:\n"
         "            pass\n"
         "    texts[path] = out.getvalue()\n"
-        "print('HELP ' + json.dumps(texts))\n")
+        "print('HELP ' + json.dumps(texts))\n"
+    )
     done = subprocess.run([PYTHON, "-c", program, *scripts], cwd=REPO, capture_output=True, text=True, timeout=120)
     line = next((line for line in done.stdout.splitlines() if line.startswith("HELP ")), None)
     assert line, done.stdout[-2000:] + done.stderr[-2000:]
@@ -167,8 +178,12 @@ def quick_options(command: str, help_texts) -> list[str]:
     script = script_of(command)
     if script is None or "--fail-at-step" in words:  # a drill must run long enough to reach its failure
         return []
-    return [part for option, value in QUICK.items()
-            if option not in words and re.search(rf"{option}\b", help_texts[script]) for part in (option, value)]
+    return [
+        part
+        for option, value in QUICK.items()
+        if option not in words and re.search(rf"{option}\b", help_texts[script])
+        for part in (option, value)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +197,7 @@ def reader_folder(tmp_path_factory):
 
 def environment():
     env = {name: value for name, value in os.environ.items() if name != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
-    env.update(NO_NETWORK, PYTHONUNBUFFERED="1",
-               PATH=os.pathsep.join([str(Path(PYTHON).parent), env.get("PATH", "")]))
+    env.update(NO_NETWORK, PYTHONUNBUFFERED="1", PATH=os.pathsep.join([str(Path(PYTHON).parent), env.get("PATH", "")]))
     return env
 
 
@@ -203,7 +217,7 @@ def test_the_commands_not_run_here_name_files_and_options_that_exist(help_texts)
         assert all((REPO / path).exists() for path in paths), f"{command_key}: a file it names does not exist"
         script = script_of(command_key)
         if script in help_texts:  # the options after the script are the script's own
-            options = [word for word in words[words.index(script) + 1:] if word.startswith("--")]
+            options = [word for word in words[words.index(script) + 1 :] if word.startswith("--")]
             unknown = [option for option in options if not re.search(rf"{option}\b", help_texts[script])]
             assert not unknown, f"{command_key}: {script} has no option {unknown}"
 
@@ -211,8 +225,11 @@ def test_the_commands_not_run_here_name_files_and_options_that_exist(help_texts)
 def test_the_labs_print_the_same_commands_as_their_solutions():
     for lab in sorted((REPO / "labs").glob("*.py")):
         solution = {key(command) for command in docstring_commands(REPO / "solutions" / lab.name)}
-        extra = [key(command) for command in docstring_commands(lab)
-                 if key(command) not in solution and not command.startswith("LAB_TARGET=labs ")]
+        extra = [
+            key(command)
+            for command in docstring_commands(lab)
+            if key(command) not in solution and not command.startswith("LAB_TARGET=labs ")
+        ]
         assert not extra, f"{lab.relative_to(REPO)} prints commands its solution does not: {extra}"
 
 

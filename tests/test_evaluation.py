@@ -12,7 +12,6 @@ from common.distributed import all_reduce_mean
 from common.launch import run_on_ranks
 from common.metrics import evaluate
 
-
 # Logits chosen so that sample i is classified correctly exactly when y[i] == 0. Sample 0, which the sampler
 # repeats as padding, is correct; most others are not: counting the padding would inflate the accuracy.
 LABELS = torch.tensor([0, 0, 3, 4, 5, 6, 7, 0, 8, 9, 1])

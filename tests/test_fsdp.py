@@ -15,8 +15,17 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.distributed import replicas_in_sync
-from common.fsdp import (SOLUTION, export_full_state_dict, force_sum_reduction, full_gradients, full_parameters,
-                         full_tensor, load_sharded_checkpoint, measure_model_state, save_sharded_checkpoint)
+from common.fsdp import (
+    SOLUTION,
+    export_full_state_dict,
+    force_sum_reduction,
+    full_gradients,
+    full_parameters,
+    full_tensor,
+    load_sharded_checkpoint,
+    measure_model_state,
+    save_sharded_checkpoint,
+)
 from common.launch import load_script, run_on_ranks
 from common.memory import training_state_bytes, zero_bytes_per_rank
 from common.models import DeepMLP, SimpleCNN
@@ -35,7 +44,7 @@ def step_batches(env):
     generator = torch.Generator().manual_seed(1)
     X = torch.randn(STEPS, BATCH, 1, 28, 28, generator=generator)
     y = torch.randint(0, 10, (STEPS, BATCH), generator=generator)
-    return [(X[s][env.rank::env.world_size], y[s][env.rank::env.world_size]) for s in range(STEPS)]
+    return [(X[s][env.rank :: env.world_size], y[s][env.rank :: env.world_size]) for s in range(STEPS)]
 
 
 def train(net, optimizer, batches):
@@ -118,8 +127,10 @@ def side_by_side(env, checkpoint_dir):
     results["zero1_bytes"] = training_state_bytes(big, zero)
     results["fsdp_bytes"] = model_state_of_the_big_model(env)
     # what the root's reshard_after_forward changes: all-gathers per step, parameter bytes held
-    results["root"] = {strategy: measure_model_state(env, strategy)
-                       for strategy in ("fsdp-grad-op", "fsdp-full", "fsdp-full-root-resharded")}
+    results["root"] = {
+        strategy: measure_model_state(env, strategy)
+        for strategy in ("fsdp-grad-op", "fsdp-full", "fsdp-full-root-resharded")
+    }
     return results
 
 
@@ -140,10 +151,14 @@ def reload_and_measure(env, checkpoint_dir):
     optimizer = torch.optim.Adam(net.parameters(), lr=LR)
     progress = load_sharded_checkpoint(checkpoint_dir / "sharded", net, optimizer)
     big, zero = zero1_step_on_the_big_model(env)
-    return {"progress": progress, "parameters": full_parameters(net),
-            "exp_avg": [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()],
-            "local_rows": net.blocks[0][0].weight.to_local().shape[0],
-            "fsdp_bytes": model_state_of_the_big_model(env), "zero1_bytes": training_state_bytes(big, zero)}
+    return {
+        "progress": progress,
+        "parameters": full_parameters(net),
+        "exp_avg": [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()],
+        "local_rows": net.blocks[0][0].weight.to_local().shape[0],
+        "fsdp_bytes": model_state_of_the_big_model(env),
+        "zero1_bytes": training_state_bytes(big, zero),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +173,9 @@ def two_ranks(checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def reloaded(checkpoint_dir, two_ranks):
-    return {world_size: run_on_ranks(reload_and_measure, world_size, checkpoint_dir, timeout=120)
-            for world_size in (1, 4)}
+    return {
+        world_size: run_on_ranks(reload_and_measure, world_size, checkpoint_dir, timeout=120) for world_size in (1, 4)
+    }
 
 
 def test_fsdp2_parameters_are_row_shards_of_uneven_size(two_ranks, reloaded):
@@ -196,8 +212,9 @@ def test_the_root_stays_gathered_from_forward_to_backward_saving_one_all_gather_
     root = sum(p.numel() for module in (model.stem, model.head) for p in module.parameters()) * 4  # 28% of it
     units = 1 + len(model.blocks)
     for rank in two_ranks:
-        default, forced, grad_op = (rank["root"][strategy]
-                                    for strategy in ("fsdp-full", "fsdp-full-root-resharded", "fsdp-grad-op"))
+        default, forced, grad_op = (
+            rank["root"][strategy] for strategy in ("fsdp-full", "fsdp-full-root-resharded", "fsdp-grad-op")
+        )
         # FSDP2's default for the root: gathered once, in forward, and kept for backward, which starts with it
         assert default["all_gathers"] == 2 * units - 1 and forced["all_gathers"] == 2 * units
         assert grad_op["all_gathers"] == units  # nothing resharded after forward: no all-gather in backward

@@ -26,7 +26,7 @@ def script_and_arguments(command: list[str]) -> tuple[Path, list[str]] | None:
     """The .py file a planned command runs and the arguments it gets, or None for a module (``-m pytest``)."""
     for index, word in enumerate(command):
         if word.endswith(".py") and not word.startswith("-"):
-            return REPO / word, command[index + 1:]
+            return REPO / word, command[index + 1 :]
     return None
 
 
@@ -46,15 +46,21 @@ def test_the_plan_runs_every_solution_and_each_command_parses_with_its_own_scrip
             pytest.fail(f"{step.name}: {script.name} rejects {arguments}: exit {error.code}")
     # world sizes the GPUs allow, and CPU process counts the cores allow
     assert [step.command[2] for step in steps if "fsdp_memory" in step.name.lower() or "memory" in step.name] == [
-        "--nproc_per_node=1", "--nproc_per_node=2"]
+        "--nproc_per_node=1",
+        "--nproc_per_node=2",
+    ]
     scaling = next(step for step in steps if "ddp_scaling.py" in " ".join(step.command))
-    assert scaling.command[scaling.command.index("--nproc") + 1:][:4] == ["1", "2", "4", "8"]
+    assert scaling.command[scaling.command.index("--nproc") + 1 :][:4] == ["1", "2", "4", "8"]
     assert gpu_check.plan(1, 2, tmp_path, tmp_path)[-1].command[3:6] == ["1", "2", "--cpu"]
 
 
 def test_the_dry_run_lists_the_steps_and_runs_nothing(tmp_path):
-    run = subprocess.run([sys.executable, REPO / "scripts/gpu_check.py", "--dry-run", "--gpus", "4",
-                          "--results", tmp_path], capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, REPO / "scripts/gpu_check.py", "--dry-run", "--gpus", "4", "--results", tmp_path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert len(lines) == len(gpu_check.plan(4, 1, tmp_path, tmp_path))
@@ -65,8 +71,13 @@ def test_the_dry_run_lists_the_steps_and_runs_nothing(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_without_a_gpu_make_gpu_check_says_so_in_one_line_and_fails(tmp_path):
-    run = subprocess.run(["make", "-s", "gpu-check", f"RESULTS={tmp_path}", f"GPU_PYTHON={sys.executable}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        ["make", "-s", "gpu-check", f"RESULTS={tmp_path}", f"GPU_PYTHON={sys.executable}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode != 0
     message = [line for line in run.stderr.splitlines() if not line.startswith("make")]
     assert len(message) == 1 and message[0].startswith("gpu-check: no CUDA GPU visible"), run.stderr
@@ -75,9 +86,11 @@ def test_without_a_gpu_make_gpu_check_says_so_in_one_line_and_fails(tmp_path):
 
 def test_a_step_past_its_time_limit_is_ended_with_the_processes_it_started(tmp_path):
     child_pid = tmp_path / "child.pid"
-    code = ("import subprocess, sys, time; "
-            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
-            f"open({str(child_pid)!r}, 'w').write(str(child.pid)); time.sleep(120)")
+    code = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(child_pid)!r}, 'w').write(str(child.pid)); time.sleep(120)"
+    )
     step = gpu_check.Step("sleeper", "tests", ["python", "-c", code], timeout=120)
     start = time.perf_counter()
     result = gpu_check.run_step(step, timeout=5, env={}, scratch=tmp_path)
@@ -91,35 +104,77 @@ def test_a_step_past_its_time_limit_is_ended_with_the_processes_it_started(tmp_p
 
 
 def test_the_first_error_line_is_the_exception_a_worker_raised():
-    output = ("[rank0]: Traceback (most recent call last):\nW1122 torchrun noise\n"
-              "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled cuda error\n"
-              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \nsolutions/x.py FAILED\n")
+    output = (
+        "[rank0]: Traceback (most recent call last):\nW1122 torchrun noise\n"
+        "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled cuda error\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \nsolutions/x.py FAILED\n"
+    )
     assert gpu_check.first_error_line(output).startswith("torch.distributed.DistBackendError: NCCL error")
-    assert gpu_check.first_error_line("usage: x\nerror: unrecognized arguments: --max-steps\n") == \
-        "error: unrecognized arguments: --max-steps"
+    assert (
+        gpu_check.first_error_line("usage: x\nerror: unrecognized arguments: --max-steps\n")
+        == "error: unrecognized arguments: --max-steps"
+    )
     assert gpu_check.first_error_line("just\nlast line\n") == "last line"
 
 
 def test_the_result_files_hold_the_versions_every_step_and_each_benchmarks_printed_table(tmp_path):
-    facts = {"date": "2026-11-22 12:00 UTC", "gpus": ["NVIDIA H100 80GB HBM3"] * 2, "torch": "2.11.0+cu130",
-             "cuda": "13.0", "cudnn": 91300, "nccl": "2.28.9", "driver": "580.159.04", "python": "3.12.3",
-             "cpu_cores": 16}
+    facts = {
+        "date": "2026-11-22 12:00 UTC",
+        "gpus": ["NVIDIA H100 80GB HBM3"] * 2,
+        "torch": "2.11.0+cu130",
+        "cuda": "13.0",
+        "cudnn": 91300,
+        "nccl": "2.28.9",
+        "driver": "580.159.04",
+        "python": "3.12.3",
+        "cpu_cores": 16,
+    }
     table = "precision  samples/s\n     fp32     70,248"
     steps = [
-        {"name": "01_ddp_basic", "part": "solutions", "command": "torchrun a.py", "status": "pass", "seconds": 9.5,
-         "output": "epoch 1\n"},
-        {"name": "03_fsdp", "part": "solutions", "command": "torchrun b.py", "status": "FAIL", "seconds": 3.0,
-         "output": "Traceback\nValueError: a | b\n", "error": "ValueError: a | b"},
-        {"name": "mixed precision", "part": "benchmarks", "command": "python m.py", "status": "pass", "seconds": 60,
-         "output": "W1122 12:00:00 torchrun banner\n" + table + "\n", "data": {"rows": [{"precision": "fp32"}]}},
-        {"name": "profile", "part": "benchmarks", "command": "torchrun p.py", "status": "timeout", "seconds": 180,
-         "output": "partial\n", "error": "no result within 180 s"},
+        {
+            "name": "01_ddp_basic",
+            "part": "solutions",
+            "command": "torchrun a.py",
+            "status": "pass",
+            "seconds": 9.5,
+            "output": "epoch 1\n",
+        },
+        {
+            "name": "03_fsdp",
+            "part": "solutions",
+            "command": "torchrun b.py",
+            "status": "FAIL",
+            "seconds": 3.0,
+            "output": "Traceback\nValueError: a | b\n",
+            "error": "ValueError: a | b",
+        },
+        {
+            "name": "mixed precision",
+            "part": "benchmarks",
+            "command": "python m.py",
+            "status": "pass",
+            "seconds": 60,
+            "output": "W1122 12:00:00 torchrun banner\n" + table + "\n",
+            "data": {"rows": [{"precision": "fp32"}]},
+        },
+        {
+            "name": "profile",
+            "part": "benchmarks",
+            "command": "torchrun p.py",
+            "status": "timeout",
+            "seconds": 180,
+            "output": "partial\n",
+            "error": "no result within 180 s",
+        },
     ]
     report = {"facts": facts, "missing_packages": [], "steps": steps, "seconds": 252.5}
     folder = tmp_path / gpu_check.folder_name(facts["gpus"])
     paths = gpu_check.write_results(folder, report)
     assert folder.name == "nvidia-h100-80gb-hbm3-x2" and {p.name for p in paths} == {
-        "gpu_check.json", "summary.md", "logs.txt"}
+        "gpu_check.json",
+        "summary.md",
+        "logs.txt",
+    }
     data = json.loads((folder / "gpu_check.json").read_text())
     assert data["facts"] == facts and [step["status"] for step in data["steps"]] == ["pass", "FAIL", "pass", "timeout"]
     assert "output" not in data["steps"][0] and data["steps"][2]["data"] == {"rows": [{"precision": "fp32"}]}
@@ -135,17 +190,36 @@ def test_the_result_files_hold_the_versions_every_step_and_each_benchmarks_print
 
 
 def test_the_check_records_each_step_as_it_ends_and_skips_what_the_budget_leaves_no_time_for(tmp_path, monkeypatch):
-    facts = {"date": "today", "gpus": ["Fake GPU X100"], "torch": torch.__version__, "cuda": None, "cudnn": None,
-             "nccl": None, "driver": None, "python": "3", "cpu_cores": 2}
-    writes = (f"import json, sys, time; time.sleep(5); json.dump({{'rows': [1]}}, open(sys.argv[1], 'w')); "
-              "print('the table')")
+    facts = {
+        "date": "today",
+        "gpus": ["Fake GPU X100"],
+        "torch": torch.__version__,
+        "cuda": None,
+        "cudnn": None,
+        "nccl": None,
+        "driver": None,
+        "python": "3",
+        "cpu_cores": 2,
+    }
+    writes = (
+        "import json, sys, time; time.sleep(5); json.dump({'rows': [1]}, open(sys.argv[1], 'w')); print('the table')"
+    )
 
     def fake_plan(num_gpus, cpu_cores, out_dir, scratch):
         assert (num_gpus, cpu_cores, out_dir) == (1, 2, tmp_path / "fake-gpu-x100")
-        return [gpu_check.Step("measures", "benchmarks", ["python", "-c", writes, str(scratch / "figures.json")], 60,
-                               json_file="figures.json"),
-                gpu_check.Step("fails", "solutions", ["python", "-c", "import time; time.sleep(5); raise ValueError('no')"], 60),
-                gpu_check.Step("too late", "tests", ["python", "-c", "print('never')"], 60)]
+        return [
+            gpu_check.Step(
+                "measures",
+                "benchmarks",
+                ["python", "-c", writes, str(scratch / "figures.json")],
+                60,
+                json_file="figures.json",
+            ),
+            gpu_check.Step(
+                "fails", "solutions", ["python", "-c", "import time; time.sleep(5); raise ValueError('no')"], 60
+            ),
+            gpu_check.Step("too late", "tests", ["python", "-c", "print('never')"], 60),
+        ]
 
     monkeypatch.setattr(gpu_check, "plan", fake_plan)
     monkeypatch.setattr(gpu_check, "machine_facts", lambda: facts)
@@ -154,21 +228,27 @@ def test_the_check_records_each_step_as_it_ends_and_skips_what_the_budget_leaves
     code = gpu_check.main(gpu_check.parse_args(["--results", str(tmp_path), "--budget", "29"]))
     data = json.loads((tmp_path / "fake-gpu-x100" / "gpu_check.json").read_text())
     assert code == 1 and [(step["name"], step["status"]) for step in data["steps"]] == [
-        ("measures", "pass"), ("fails", "FAIL"), ("too late", "skipped")]
+        ("measures", "pass"),
+        ("fails", "FAIL"),
+        ("too late", "skipped"),
+    ]
     assert data["steps"][0]["data"] == {"rows": [1]} and data["steps"][1]["error"] == "ValueError: no"
     assert "the table" in (tmp_path / "fake-gpu-x100" / "summary.md").read_text()
 
 
 def test_the_tests_marked_cuda_are_those_that_need_a_gpu():
     command = next(step.command for step in gpu_check.plan(1, 1, REPO, REPO) if step.part == "tests")
-    run = subprocess.run([sys.executable, *command[1:], "--collect-only"], cwd=REPO, capture_output=True, text=True,
-                         timeout=240)  # the check's own pytest command, collecting only
+    run = subprocess.run(
+        [sys.executable, *command[1:], "--collect-only"], cwd=REPO, capture_output=True, text=True, timeout=240
+    )  # the check's own pytest command, collecting only
     assert run.returncode == 0, run.stdout[-3000:]  # a collection error would fail the check's test step
     collected = [line for line in run.stdout.splitlines() if "::" in line]
-    expected = ["test_autocast_computes_losses_in_fp32_but_softmax_and_sums_in_fp32_on_cuda_only",
-                "test_rng_states_survive_a_weights_only_checkpoint[cuda]",
-                "test_sync_batch_norm_on_a_gpu_equals_one_process_on_the_whole_batch",
-                "test_dataparallel_on_two_gpus_matches_the_by_hand_version_and_the_whole_batch"]
+    expected = [
+        "test_autocast_computes_losses_in_fp32_but_softmax_and_sums_in_fp32_on_cuda_only",
+        "test_rng_states_survive_a_weights_only_checkpoint[cuda]",
+        "test_sync_batch_norm_on_a_gpu_equals_one_process_on_the_whole_batch",
+        "test_dataparallel_on_two_gpus_matches_the_by_hand_version_and_the_whole_batch",
+    ]
     for name in expected:
         assert any(name in line for line in collected), f"{name} is not marked cuda:\n{run.stdout}"
     assert not any("[cpu" in line for line in collected)  # the CPU variants stay in the CPU suite only
@@ -176,8 +256,21 @@ def test_the_tests_marked_cuda_are_those_that_need_a_gpu():
 
 # --- the benchmarks the check runs, on CPU with gloo ---------------------------------------------------------------
 def torchrun(script: str, *arguments, nproc: int = 2) -> subprocess.CompletedProcess:
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                          REPO / script, *map(str, arguments)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            REPO / script,
+            *map(str, arguments),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     return run
 
@@ -196,8 +289,21 @@ def test_fsdp_memory_shows_zero1_sharding_the_optimizer_and_fsdp_the_parameters_
 
 
 def test_the_profile_of_a_ddp_step_writes_a_trace_and_lists_the_costliest_ops(tmp_path):
-    run = torchrun("benchmarks/profile_ddp_step.py", "--model", "lenet", "--batch-size", 8, "--warmup", 1,
-                   "--steps", 2, "--trace", tmp_path / "trace.json.gz", "--json", tmp_path / "profile.json")
+    run = torchrun(
+        "benchmarks/profile_ddp_step.py",
+        "--model",
+        "lenet",
+        "--batch-size",
+        8,
+        "--warmup",
+        1,
+        "--steps",
+        2,
+        "--trace",
+        tmp_path / "trace.json.gz",
+        "--json",
+        tmp_path / "profile.json",
+    )
     data = json.loads((tmp_path / "profile.json").read_text())
     assert data["clock"] == "cpu" and data["communication_share"] is None and data["ms_per_step"] > 0
     assert any(op["op"] == "aten::convolution_backward" for op in data["top_ops"])
@@ -209,8 +315,12 @@ def test_the_profile_of_a_ddp_step_writes_a_trace_and_lists_the_costliest_ops(tm
 
 
 def test_the_mixed_precision_benchmark_refuses_tf32_without_a_gpu_that_has_it():
-    run = subprocess.run([sys.executable, REPO / "benchmarks/mixed_precision.py", "--precisions", "fp32", "tf32"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, REPO / "benchmarks/mixed_precision.py", "--precisions", "fp32", "tf32"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode != 0 and "tf32 needs an NVIDIA GPU of compute capability 8.0" in run.stderr
 
 
@@ -265,15 +375,22 @@ def unrecorded_gpu_figures(text: str, runs: dict[str, list[Path]]) -> list[str]:
         for model, folders in runs.items():
             if not re.search(rf"\b{model}\b", block):
                 continue
-            recorded = "\n".join(path.read_text() for folder in folders for path in sorted(folder.iterdir())
-                                 if path.suffix in (".md", ".txt", ".log", ".json"))
+            recorded = "\n".join(
+                path.read_text()
+                for folder in folders
+                for path in sorted(folder.iterdir())
+                if path.suffix in (".md", ".txt", ".log", ".json")
+            )
             recorded_numbers = set(NUMBER.findall(recorded))
             where = block.strip().splitlines()[0][:60]
             prose = block if is_code else re.sub(r"`[^`]*`", "", block)  # inline code: names and values, not figures
             problems += [f"{where}: {number}" for number in NUMBER.findall(prose) if number not in recorded_numbers]
             if is_code:
-                problems += [f"{where}: line {line.strip()!r}" for line in block.splitlines()
-                             if line.strip() and line.strip() not in recorded]
+                problems += [
+                    f"{where}: line {line.strip()!r}"
+                    for line in block.splitlines()
+                    if line.strip() and line.strip() not in recorded
+                ]
     return problems
 
 
@@ -282,12 +399,16 @@ def test_the_figure_checker_finds_a_number_no_gpu_run_recorded():
     assert "H100" in runs
     assert unrecorded_gpu_figures("On one H100, fp32 ran at 70,248 samples/s.", runs) == []
     assert unrecorded_gpu_figures("On one H100, fp32 ran at 71,000 samples/s.", runs) == [
-        "On one H100, fp32 ran at 71,000 samples/s.: 71,000"]
-    assert unrecorded_gpu_figures("```\nH100 made up line\n```", runs) == ["H100 made up line: line 'H100 made up line'"]
+        "On one H100, fp32 ran at 71,000 samples/s.: 71,000"
+    ]
+    assert unrecorded_gpu_figures("```\nH100 made up line\n```", runs) == [
+        "H100 made up line: line 'H100 made up line'"
+    ]
     assert unrecorded_gpu_figures("On a CPU: 71,000 samples/s.", runs) == []  # names no GPU: not a GPU figure
 
 
-@pytest.mark.parametrize("document", ["README.md", *sorted(p.relative_to(REPO).as_posix()
-                                                            for p in (REPO / "lessons").glob("*.md"))])
+@pytest.mark.parametrize(
+    "document", ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "lessons").glob("*.md"))]
+)
 def test_every_figure_a_document_quotes_from_a_gpu_run_is_in_that_runs_recorded_files(document):
     assert unrecorded_gpu_figures((REPO / document).read_text(), gpu_runs()) == []

@@ -27,7 +27,6 @@ def test_divided_micro_step_losses_give_the_whole_batch_gradient_and_undivided_o
     torch.testing.assert_close(gradients(micro_batches, divide=False), [K * g for g in whole_batch])
 
 
-
 def test_accumulated_and_whole_batch_gradients_differ_only_by_float_rounding_and_training_widens_the_gap():
     # Lesson 04 states these bounds; benchmarks/accumulation_rounding.py prints the measured figures.
     rounding = load_script(REPO / "benchmarks/accumulation_rounding.py")

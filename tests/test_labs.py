@@ -21,8 +21,11 @@ def test_every_lab_has_a_solution_lab_tests_and_todos(name):
 @pytest.mark.parametrize("name", LABS)
 def test_the_starter_still_fails_its_lab_tests(name):
     # -x: the first failure proves the point; running the rest against a starter only costs CI time.
-    run = run_command([PYTHON, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"tests/labs/test_{name}.py"],
-                      timeout=600, env_extra={"LAB_TARGET": "labs"})
+    run = run_command(
+        [PYTHON, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"tests/labs/test_{name}.py"],
+        timeout=600,
+        env_extra={"LAB_TARGET": "labs"},
+    )
     assert run.returncode == 1, run.output  # 1: tests ran and some failed
     assert "NotImplementedError" in run.output and " failed" in run.stdout
 

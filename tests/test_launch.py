@@ -13,7 +13,13 @@ from common.launch import REPO, TORCHRUN, run_on_ranks, torchrun_command
 
 def test_the_torchrun_command_is_the_readmes_single_machine_line():
     assert torchrun_command("solutions/01_ddp_basic.py", "--epochs", 2, nproc=4) == [
-        TORCHRUN, "--standalone", "--nproc_per_node=4", "solutions/01_ddp_basic.py", "--epochs", "2"]
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=4",
+        "solutions/01_ddp_basic.py",
+        "--epochs",
+        "2",
+    ]
     assert Path(TORCHRUN).exists() and (REPO / "solutions" / "01_ddp_basic.py").exists()
 
 
@@ -28,6 +34,7 @@ def wait_forever(env):
         torch.distributed.barrier()  # rank 0 never joins: a hang
     else:
         import time
+
         time.sleep(60)
 
 

@@ -20,15 +20,22 @@ def test_a_lesson_has_every_section_and_a_notebook(lesson):
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.stem)
 def test_every_cited_test_exists(lesson):
     citations = re.findall(r"(tests/[\w/]+\.py)::(\w+)", lesson.read_text())
-    missing = [f"{path}::{name}" for path, name in citations
-               if not (REPO / path).exists() or f"def {name}(" not in (REPO / path).read_text()]
+    missing = [
+        f"{path}::{name}"
+        for path, name in citations
+        if not (REPO / path).exists() or f"def {name}(" not in (REPO / path).read_text()
+    ]
     assert citations and missing == []
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.stem)
 def test_every_cited_file_exists(lesson):
-    paths = set(re.findall(r"\b((?:common|solutions|labs|notebooks|lessons|benchmarks|tests)/[\w/.]+\.(?:py|ipynb|md))",
-                           lesson.read_text()))
+    paths = set(
+        re.findall(
+            r"\b((?:common|solutions|labs|notebooks|lessons|benchmarks|tests)/[\w/.]+\.(?:py|ipynb|md))",
+            lesson.read_text(),
+        )
+    )
     assert paths and sorted(path for path in paths if not (REPO / path).exists()) == []
 
 

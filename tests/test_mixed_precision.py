@@ -32,8 +32,12 @@ def deprecated_amp_uses(root):
     for folder, subfolders, names in os.walk(root):
         subfolders[:] = sorted(name for name in subfolders if name not in SKIPPED_FOLDERS)  # never enter .venv
         files += [Path(folder) / name for name in sorted(names) if name.endswith((".py", ".ipynb"))]
-    return [f"{path.relative_to(root)}: {line.strip()}" for path in files for line in code_lines(path)
-            if DEPRECATED.search(line)]
+    return [
+        f"{path.relative_to(root)}: {line.strip()}"
+        for path in files
+        for line in code_lines(path)
+        if DEPRECATED.search(line)
+    ]
 
 
 def test_no_code_in_the_repository_uses_the_deprecated_cuda_amp_module():
@@ -43,13 +47,22 @@ def test_no_code_in_the_repository_uses_the_deprecated_cuda_amp_module():
 def test_the_scan_finds_the_deprecated_module_in_code_and_ignores_it_in_prose(tmp_path):
     old = "torch.cuda." + "amp"
     (tmp_path / "train.py").write_text(f"import torch\nscaler = {old}.GradScaler()\n")
-    (tmp_path / "lesson.ipynb").write_text(json.dumps({"cells": [
-        {"cell_type": "markdown", "source": [f"Other tutorials use `{old}`."]},
-        {"cell_type": "code", "source": ["from torch.cuda import " + "amp\n"]}]}))
+    (tmp_path / "lesson.ipynb").write_text(
+        json.dumps(
+            {
+                "cells": [
+                    {"cell_type": "markdown", "source": [f"Other tutorials use `{old}`."]},
+                    {"cell_type": "code", "source": ["from torch.cuda import " + "amp\n"]},
+                ]
+            }
+        )
+    )
     (tmp_path / ".venv").mkdir()
     (tmp_path / ".venv" / "vendored.py").write_text(f"{old}.autocast()\n")
-    assert deprecated_amp_uses(tmp_path) == ["lesson.ipynb: from torch.cuda import " + "amp",
-                                             f"train.py: scaler = {old}.GradScaler()"]
+    assert deprecated_amp_uses(tmp_path) == [
+        "lesson.ipynb: from torch.cuda import " + "amp",
+        f"train.py: scaler = {old}.GradScaler()",
+    ]
 
 
 def test_fp16_flushes_1e_8_to_zero_and_the_scaled_value_survives():
@@ -114,8 +127,12 @@ def test_scaler_step_already_reads_the_inf_flag_on_the_host_and_each_get_scale_r
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(F.cross_entropy(model(torch.randn(4, 1, 28, 28)), torch.arange(4))).backward()
     reads = {}
-    for name, call in (("unscale_", lambda: scaler.unscale_(optimizer)), ("step", lambda: scaler.step(optimizer)),
-                       ("update", scaler.update), ("get_scale", scaler.get_scale)):
+    for name, call in (
+        ("unscale_", lambda: scaler.unscale_(optimizer)),
+        ("step", lambda: scaler.step(optimizer)),
+        ("update", scaler.update),
+        ("get_scale", scaler.get_scale),
+    ):
         with count_item_calls() as calls:
             call()
         reads[name] = calls[0]
@@ -136,8 +153,16 @@ def test_autocast_computes_in_low_precision_but_parameters_and_gradients_stay_fp
     assert {p.grad.dtype for p in model.parameters()} == {torch.float32}  # so DDP all-reduces fp32 gradients
 
 
-AUTOCAST_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a GPU: CUDA autocast's op lists")])]
+AUTOCAST_DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CUDA autocast's op lists"),
+        ],
+    ),
+]
 
 
 @pytest.mark.parametrize("device", AUTOCAST_DEVICES)
@@ -150,22 +175,34 @@ def test_autocast_computes_losses_in_fp32_but_softmax_and_sums_in_fp32_on_cuda_o
     X, weight, y = X.to(device), weight.to(device), torch.arange(4, device=device)
     with torch.autocast(device_type=device, dtype=dtype):
         logits = F.linear(X, weight)
-        dtypes = {"linear": logits.dtype, "softmax": F.softmax(logits, dim=-1).dtype,
-                  "log_softmax": F.log_softmax(logits, dim=-1).dtype, "sum": logits.sum().dtype,
-                  "cross_entropy": F.cross_entropy(logits, y).dtype,
-                  "mse_loss": F.mse_loss(logits, torch.zeros_like(logits)).dtype}
+        dtypes = {
+            "linear": logits.dtype,
+            "softmax": F.softmax(logits, dim=-1).dtype,
+            "log_softmax": F.log_softmax(logits, dim=-1).dtype,
+            "sum": logits.sum().dtype,
+            "cross_entropy": F.cross_entropy(logits, y).dtype,
+            "mse_loss": F.mse_loss(logits, torch.zeros_like(logits)).dtype,
+        }
     fp32_on_cuda = torch.float32 if device == "cuda" else dtype
-    assert dtypes == {"linear": dtype, "softmax": fp32_on_cuda, "log_softmax": fp32_on_cuda, "sum": fp32_on_cuda,
-                      "cross_entropy": torch.float32, "mse_loss": torch.float32}
+    assert dtypes == {
+        "linear": dtype,
+        "softmax": fp32_on_cuda,
+        "log_softmax": fp32_on_cuda,
+        "sum": fp32_on_cuda,
+        "cross_entropy": torch.float32,
+        "mse_loss": torch.float32,
+    }
 
 
 def test_the_mixed_precision_benchmark_names_the_cpu_capability_and_the_16_bit_flags_present_and_absent(tmp_path):
     describe_cpu = load_script(REPO / "benchmarks/mixed_precision.py").describe_cpu
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n")
-    assert describe_cpu(cpuinfo) == (f"cpu capability {torch.backends.cpu.get_cpu_capability()}; "
-                                     "cpu flags present: avx2 fma f16c; "
-                                     "absent: avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_fp16")
+    assert describe_cpu(cpuinfo) == (
+        f"cpu capability {torch.backends.cpu.get_cpu_capability()}; "
+        "cpu flags present: avx2 fma f16c; "
+        "absent: avx512f avx512_bf16 avx512_fp16 amx_bf16 amx_fp16"
+    )
     assert "cpu flags unknown" in describe_cpu(tmp_path / "no_such_file")
 
 
@@ -181,8 +218,9 @@ def test_bf16_saves_more_for_backward_than_fp32_at_batch_1_and_less_at_batch_16(
     saved = {}
     for batch_size in (1, 16):
         X, y = torch.randn(batch_size, *SimpleCNN.input_shape), torch.randint(0, 10, (batch_size,))
-        saved[batch_size] = {precision: round(saved_for_backward_mib(net, X, y, precision), 1)
-                             for precision in ("fp32", "bf16")}
+        saved[batch_size] = {
+            precision: round(saved_for_backward_mib(net, X, y, precision), 1) for precision in ("fp32", "bf16")
+        }
     assert saved == {1: {"fp32": 1.2, "bf16": 5.4}, 16: {"fp32": 19.5, "bf16": 16.2}}
 
 

@@ -11,8 +11,17 @@ import torch
 import yaml
 
 from common.debugging import collective_mistakes
-from common.fault_tolerance import (CorruptCheckpoint, list_checkpoints, newest_valid_checkpoint, prune_checkpoints,
-                                    read_verified, rng_state, set_rng_state, step_checkpoint_file, write_verified)
+from common.fault_tolerance import (
+    CorruptCheckpoint,
+    list_checkpoints,
+    newest_valid_checkpoint,
+    prune_checkpoints,
+    read_verified,
+    rng_state,
+    set_rng_state,
+    step_checkpoint_file,
+    write_verified,
+)
 from common.launch import run_on_ranks
 from tests.conftest import PYTHON, REPO, TORCHRUN, run_command
 
@@ -51,20 +60,37 @@ def test_pruning_keeps_the_newest_and_ignores_temporary_files(tmp_path):
     for step in (1, 2, 3):
         write_verified(step_checkpoint_file(tmp_path, step), state(step))
     (tmp_path / ".step_00000004.pt.abc.tmp").write_bytes(b"half")
-    assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000003.pt", "step_00000002.pt",
-                                                                  "step_00000001.pt"]
+    assert [path.name for path in list_checkpoints(tmp_path)] == [
+        "step_00000003.pt",
+        "step_00000002.pt",
+        "step_00000001.pt",
+    ]
     prune_checkpoints(tmp_path, keep=2)
     assert sorted(path.name for path in tmp_path.iterdir()) == [
-        ".step_00000004.pt.abc.tmp", "step_00000002.pt", "step_00000002.pt.sha256", "step_00000003.pt",
-        "step_00000003.pt.sha256"]
+        ".step_00000004.pt.abc.tmp",
+        "step_00000002.pt",
+        "step_00000002.pt.sha256",
+        "step_00000003.pt",
+        "step_00000003.pt.sha256",
+    ]
 
 
-@pytest.mark.parametrize("map_location", [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a GPU: the scripts load checkpoints onto their device, RNG "
-                                              "states included")]),
-])
+@pytest.mark.parametrize(
+    "map_location",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(),
+                    reason="needs a GPU: the scripts load checkpoints onto their device, RNG states included",
+                ),
+            ],
+        ),
+    ],
+)
 def test_rng_states_survive_a_weights_only_checkpoint(tmp_path, map_location):
     import random
 
@@ -83,7 +109,8 @@ class NotATensor:
 
 
 def test_torch_load_refuses_arbitrary_objects_by_default_and_an_explicit_weights_only_resists_the_override(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     import pickle
 
     torch.save({"step": 3, "payload": NotATensor()}, tmp_path / "checkpoint.pt")
@@ -146,9 +173,25 @@ def test_torchrun_hosting_the_store_on_a_port_in_use_fails_fast_with_address_alr
     # Without is_host=1 the same torchrun connects to whatever listens there and waits: a hang (lesson 07).
     sock, port = held_port()
     with sock:
-        run = run_command([TORCHRUN, "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "busy", "--rdzv-conf", "is_host=1",
-                           REPO / "solutions/05_multi_node.py"], timeout=60)
+        run = run_command(
+            [
+                TORCHRUN,
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "busy",
+                "--rdzv-conf",
+                "is_host=1",
+                REPO / "solutions/05_multi_node.py",
+            ],
+            timeout=60,
+        )
     assert run.returncode != 0 and run.seconds < 45
     assert "address already in use" in run.output and "EADDRINUSE" in run.output
 
@@ -157,13 +200,32 @@ def test_torchrun_hosting_the_store_on_a_port_in_use_fails_fast_with_address_alr
 TORCHRUN_LOGGING_RENDEZVOUS = (
     "import logging, sys; from torch.distributed.run import main; logging.basicConfig(); "
     "logging.getLogger('torch.distributed.elastic.rendezvous.dynamic_rendezvous').setLevel(logging.DEBUG); "
-    "sys.exit(main())")
+    "sys.exit(main())"
+)
 
 
 def node_printing_its_group_rank(port, local_addr, *options):
-    return [PYTHON, "-c", TORCHRUN_LOGGING_RENDEZVOUS, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
-            "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "order", "--local-addr", local_addr, *options,
-            "--no-python", "printenv", "GROUP_RANK"]
+    return [
+        PYTHON,
+        "-c",
+        TORCHRUN_LOGGING_RENDEZVOUS,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "order",
+        "--local-addr",
+        local_addr,
+        *options,
+        "--no-python",
+        "printenv",
+        "GROUP_RANK",
+    ]
 
 
 def printed_group_ranks(output):
@@ -176,8 +238,13 @@ def test_c10d_numbers_the_nodes_by_their_sorted_address_not_by_order_of_arrival(
     sock.close()
     log = tmp_path / "first.log"
     with log.open("w") as sink:
-        first = subprocess.Popen(node_printing_its_group_rank(port, "localhost", "--rdzv-conf", "is_host=1"),
-                                 cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        first = subprocess.Popen(
+            node_printing_its_group_rank(port, "localhost", "--rdzv-conf", "is_host=1"),
+            cwd=REPO,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     try:
         deadline = time.monotonic() + 90
         while "added itself to the participants" not in log.read_text() and time.monotonic() < deadline:
@@ -201,10 +268,13 @@ def collective_mistakes_on_2_ranks():
 
 
 def test_a_rank_that_skips_a_collective_is_a_timeout_that_only_detail_pins_on_the_missing_rank(
-        collective_mistakes_on_2_ranks):
+    collective_mistakes_on_2_ranks,
+):
     waiting, skipping = collective_mistakes_on_2_ranks
-    for case, message in (("skipped", "Timed out waiting 3000ms for recv operation to complete"),
-                          ("skipped, DETAIL", "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 3000 ms")):
+    for case, message in (
+        ("skipped", "Timed out waiting 3000ms for recv operation to complete"),
+        ("skipped, DETAIL", "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 3000 ms"),
+    ):
         assert waiting[case]["seconds"] >= 3.0 and skipping[case]["error"] is None  # rank 0 waited it out
         assert message in waiting[case]["error"], waiting[case]["error"]
     assert "Rank" not in waiting["skipped"]["error"]  # without DETAIL, nothing names the rank that is missing
@@ -213,8 +283,9 @@ def test_a_rank_that_skips_a_collective_is_a_timeout_that_only_detail_pins_on_th
 def test_under_detail_mismatched_collectives_fail_at_once_with_both_fingerprints(collective_mistakes_on_2_ranks):
     for rank, results in enumerate(collective_mistakes_on_2_ranks):
         result = results["mismatched shapes, DETAIL"]
-        assert result["error"].startswith("Detected mismatch between collectives on ranks. "
-                                          f"Rank {rank} is running collective: CollectiveFingerPrint("), result
+        assert result["error"].startswith(
+            f"Detected mismatch between collectives on ranks. Rank {rank} is running collective: CollectiveFingerPrint("
+        ), result
         assert "Collectives differ in the following aspects:   Tensor Tensor shapes:" in result["error"]
         assert result["seconds"] < 3.0  # reported before the timeout, not after it
 
@@ -239,17 +310,36 @@ def test_the_slurm_script_parses_and_launches_torchrun_with_c10d_on_the_first_no
     run = run_command(["bash", "-n", script], timeout=30)
     assert run.returncode == 0, run.output
     text = script.read_text()
-    for needed in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "srun", "torchrun", "--rdzv-backend c10d",
-                   "--rdzv-id", "is_host=", "scontrol show hostnames", "solutions/05_multi_node.py",
-                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+    for needed in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "srun",
+        "torchrun",
+        "--rdzv-backend c10d",
+        "--rdzv-id",
+        "is_host=",
+        "scontrol show hostnames",
+        "solutions/05_multi_node.py",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+    ):
         assert needed in text, needed
     assert "--master-addr" not in text and "torch.distributed.launch" not in text
 
 
 def test_the_environment_contract_lists_what_the_launchers_set():
     text = (REPO / "launch" / "ENVIRONMENT.md").read_text()
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                 "TORCHELASTIC_RESTART_COUNT", "NCCL_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG", "NCCL_DEBUG"):
+    for name in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "TORCHELASTIC_RESTART_COUNT",
+        "NCCL_SOCKET_IFNAME",
+        "TORCH_DISTRIBUTED_DEBUG",
+        "NCCL_DEBUG",
+    ):
         assert f"`{name}" in text, name
 
 

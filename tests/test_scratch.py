@@ -4,8 +4,16 @@ import torch
 import torch.nn.functional as F
 
 from common.models import LeNet
-from common.scratch import (all_reduce_by_assignment, allreduce, get_params, init_lenet_params, lenet, sgd,
-                            split_batch, train_batch)
+from common.scratch import (
+    all_reduce_by_assignment,
+    allreduce,
+    get_params,
+    init_lenet_params,
+    lenet,
+    sgd,
+    split_batch,
+    train_batch,
+)
 
 CPU = torch.device("cpu")
 

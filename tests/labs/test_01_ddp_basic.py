@@ -30,10 +30,29 @@ MIN_ACCURACY = 0.85
 def trained(tmp_path_factory):
     """4 epochs with a checkpoint per epoch, then a resumed run to epoch 5."""
     folder = tmp_path_factory.mktemp("ddp")
-    first = torchrun(SCRIPT, "--dataset", "digits", "--epochs", "4", "--checkpoint-dir", folder / "ckpt",
-                     "--metrics-file", folder / "first.json")
-    resumed = torchrun(SCRIPT, "--dataset", "digits", "--epochs", "5", "--checkpoint-dir", folder / "ckpt",
-                       "--resume", "--metrics-file", folder / "resumed.json")
+    first = torchrun(
+        SCRIPT,
+        "--dataset",
+        "digits",
+        "--epochs",
+        "4",
+        "--checkpoint-dir",
+        folder / "ckpt",
+        "--metrics-file",
+        folder / "first.json",
+    )
+    resumed = torchrun(
+        SCRIPT,
+        "--dataset",
+        "digits",
+        "--epochs",
+        "5",
+        "--checkpoint-dir",
+        folder / "ckpt",
+        "--resume",
+        "--metrics-file",
+        folder / "resumed.json",
+    )
     return folder, first, resumed
 
 
@@ -66,8 +85,11 @@ def test_a_resumed_run_continues_from_the_saved_epoch_and_reaches_the_accuracy(t
 def differing_tensors(state, reference):
     """Names of the model's and the optimizer's (momentum) tensors that are not bit-identical to the reference."""
     names = [name for name in reference["model"] if not torch.equal(state["model"][name], reference["model"][name])]
-    return names + [f"momentum {index}" for index, buffers in reference["optimizer"]["state"].items()
-                    if not torch.equal(state["optimizer"]["state"][index]["momentum_buffer"], buffers["momentum_buffer"])]
+    return names + [
+        f"momentum {index}"
+        for index, buffers in reference["optimizer"]["state"].items()
+        if not torch.equal(state["optimizer"]["state"][index]["momentum_buffer"], buffers["momentum_buffer"])
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +117,22 @@ def test_a_resumed_run_is_bit_identical_without_dropout_and_a_different_run_with
     # on Fashion-MNIST files of 64 + 16 images (a test set that small keeps each epoch's evaluation cheap).
     lab = load_lab(LAB, NEEDS)
     write_fashion_mnist(tmp_path / "data", train_size=64, test_size=16)
-    quick = ["--dataset", "fashion-mnist", "--data-dir", str(tmp_path / "data"), "--num-workers", "0",
-             "--model", model, "--batch-size", "16", "--max-batches-per-epoch", "2", "--lr", "0.01"]
+    quick = [
+        "--dataset",
+        "fashion-mnist",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--num-workers",
+        "0",
+        "--model",
+        model,
+        "--batch-size",
+        "16",
+        "--max-batches-per-epoch",
+        "2",
+        "--lr",
+        "0.01",
+    ]
 
     def final_state(folder, *extra):
         lab.main(lab.parse_args([*quick, "--checkpoint-dir", str(folder), *extra]))
@@ -111,8 +147,20 @@ def test_a_resumed_run_is_bit_identical_without_dropout_and_a_different_run_with
 
 @pytest.mark.parametrize("nproc", [1, 3, 4])
 def test_any_number_of_processes_from_1_to_4(tmp_path, nproc):
-    run = torchrun(SCRIPT, "--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "2",
-                   "--batch-size", "16", "--metrics-file", tmp_path / "m.json", nproc=nproc)
+    run = torchrun(
+        SCRIPT,
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--max-batches-per-epoch",
+        "2",
+        "--batch-size",
+        "16",
+        "--metrics-file",
+        tmp_path / "m.json",
+        nproc=nproc,
+    )
     assert run.returncode == 0, run.output
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["world_size"] == nproc and metrics["global_batch_size"] == 16 * nproc
@@ -121,9 +169,25 @@ def test_any_number_of_processes_from_1_to_4(tmp_path, nproc):
 
 
 def test_plain_python_runs_as_a_world_of_one(tmp_path):
-    run = run_command([PYTHON, SCRIPT, "--dataset", "synthetic", "--model", "simplecnn", "--epochs", "1",
-                       "--max-batches-per-epoch", "2", "--batch-size", "8", "--metrics-file", tmp_path / "m.json"],
-                      timeout=120)
+    run = run_command(
+        [
+            PYTHON,
+            SCRIPT,
+            "--dataset",
+            "synthetic",
+            "--model",
+            "simplecnn",
+            "--epochs",
+            "1",
+            "--max-batches-per-epoch",
+            "2",
+            "--batch-size",
+            "8",
+            "--metrics-file",
+            tmp_path / "m.json",
+        ],
+        timeout=120,
+    )
     assert run.returncode == 0, run.output
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["world_size"] == 1 and metrics["model"] == "simplecnn" and metrics["history"][0]["samples"] == 16
@@ -148,14 +212,17 @@ def frames_in_our_code(output: str) -> list[str]:
 def test_the_traceback_check_recognises_a_traceback_through_our_code():
     launcher = f'  File "{REPO}/.venv/bin/torchrun", line 8, in <module>'
     assert frames_in_our_code(launcher) == []
-    for frame in (f'  File "{REPO}/common/data.py", line 9, in load_data',
-                  '  File "/x/site-packages/torchvision/datasets/mnist.py", line 1, in download'):
+    for frame in (
+        f'  File "{REPO}/common/data.py", line 9, in load_data',
+        '  File "/x/site-packages/torchvision/datasets/mnist.py", line 1, in download',
+    ):
         assert frames_in_our_code(f"Traceback (most recent call last):\n{launcher}\n{frame}") == [frame]
 
 
 def test_missing_data_set_offline_names_the_way_out(tmp_path):
-    run = torchrun(SCRIPT, "--dataset", "fashion-mnist", "--data-dir", tmp_path / "data", timeout=90,
-                   env_extra=NO_NETWORK)
+    run = torchrun(
+        SCRIPT, "--dataset", "fashion-mnist", "--data-dir", tmp_path / "data", timeout=90, env_extra=NO_NETWORK
+    )
     assert_fails_fast_with(run, "--dataset digits")
     assert "could not load data set 'fashion-mnist'" in run.output and str(tmp_path / "data") in run.output
 
@@ -165,30 +232,45 @@ def test_nccl_without_gpus_is_a_clear_error_not_a_hang():
     assert_fails_fast_with(run, "--backend nccl needs one CUDA device per process")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
-    (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
-    (["--lr", "-1"], "argument --lr: must be above 0"),
-    (["--num-workers", "-1"], "argument --num-workers: must be 0 or more"),
-    (["--resume"], "--resume needs --checkpoint-dir"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+        (["--dataset", "imagenet"], "argument --dataset: invalid choice: 'imagenet'"),
+        (["--lr", "-1"], "argument --lr: must be above 0"),
+        (["--num-workers", "-1"], "argument --num-workers: must be 0 or more"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+    ],
+)
 def test_bad_options_stop_with_a_usage_message(args, message):
     run = run_command([PYTHON, SCRIPT, *args], timeout=60)
     assert_fails_fast_with(run, message, status=2)
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
-    run = run_command([PYTHON, SCRIPT, "--dataset", "digits", "--checkpoint-dir", tmp_path, "--resume"],
-                      timeout=60)
+    run = run_command([PYTHON, SCRIPT, "--dataset", "digits", "--checkpoint-dir", tmp_path, "--resume"], timeout=60)
     assert_fails_fast_with(run, "--resume, but there is no checkpoint at", status=1)
 
 
-
 def test_two_standalone_runs_at_once_do_not_collide():
-    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", SCRIPT, "--dataset", "digits", "--epochs", "1",
-               "--max-batches-per-epoch", "2"]
-    runs = [subprocess.Popen([str(part) for part in command], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    command = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        SCRIPT,
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--max-batches-per-epoch",
+        "2",
+    ]
+    runs = [
+        subprocess.Popen(
+            [str(part) for part in command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
     try:
         outputs = [run.communicate(timeout=180)[0] for run in runs]
     finally:

@@ -49,12 +49,19 @@ def accumulate(env, accum_steps, micro_batches, clip_grad_norm):
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     batches = rank_micro_batches(X, y, env.rank, env.world_size)
-    loss_sum, count, steps = lab.train_one_epoch(net, batches, optimizer, scheduler, accum_steps, env.device,
-                                                 clip_grad_norm=clip_grad_norm)
-    sends = [after - before
-             for before, after in zip(sent_before_micro_step, sent_before_micro_step[1:] + [counter.calls])]
-    return {"params": [p.detach() for p in net.parameters()], "steps": steps, "samples": count,
-            "loss_sum": float(loss_sum), "sends": sends}
+    loss_sum, count, steps = lab.train_one_epoch(
+        net, batches, optimizer, scheduler, accum_steps, env.device, clip_grad_norm=clip_grad_norm
+    )
+    sends = [
+        after - before for before, after in zip(sent_before_micro_step, sent_before_micro_step[1:] + [counter.calls])
+    ]
+    return {
+        "params": [p.detach() for p in net.parameters()],
+        "steps": steps,
+        "samples": count,
+        "loss_sum": float(loss_sum),
+        "sends": sends,
+    }
 
 
 def reference(groups, clip_grad_norm=None):
@@ -103,8 +110,21 @@ def test_clipping_acts_on_the_gradient_averaged_over_micro_steps_and_ranks():
 
 def test_digits_with_accumulation_trains_and_writes_its_metrics(tmp_path):
     metrics_file = tmp_path / "metrics.json"
-    run = torchrun(lab_path(LAB), "--dataset", "digits", "--batch-size", "16", "--grad-accum-steps", "4",
-                   "--epochs", "3", "--metrics-file", metrics_file, nproc=2, timeout=180)
+    run = torchrun(
+        lab_path(LAB),
+        "--dataset",
+        "digits",
+        "--batch-size",
+        "16",
+        "--grad-accum-steps",
+        "4",
+        "--epochs",
+        "3",
+        "--metrics-file",
+        metrics_file,
+        nproc=2,
+        timeout=180,
+    )
     assert run.returncode == 0, run.output
     metrics = json.loads(metrics_file.read_text())
     assert metrics["effective_batch_size"] == 128 and metrics["replicas_in_sync"] is True
@@ -117,14 +137,26 @@ def test_four_micro_batches_of_16_follow_the_path_of_batches_of_64(tmp_path):
     # The same effective batch, the same data order: the same training, up to float rounding.
     common = ["--dataset", "digits", "--epochs", "2", "--seed", "1"]
     accumulated, plain = tmp_path / "accumulated.json", tmp_path / "plain.json"
-    run = torchrun(lab_path(LAB), *common, "--batch-size", "16", "--grad-accum-steps", "4",
-                   "--metrics-file", accumulated, nproc=2, timeout=180)
+    run = torchrun(
+        lab_path(LAB),
+        *common,
+        "--batch-size",
+        "16",
+        "--grad-accum-steps",
+        "4",
+        "--metrics-file",
+        accumulated,
+        nproc=2,
+        timeout=180,
+    )
     assert run.returncode == 0, run.output
-    run = torchrun(REPO / "solutions/01_ddp_basic.py", *common, "--batch-size", "64", "--metrics-file", plain,
-                   nproc=2, timeout=180)
+    run = torchrun(
+        REPO / "solutions/01_ddp_basic.py", *common, "--batch-size", "64", "--metrics-file", plain, nproc=2, timeout=180
+    )
     assert run.returncode == 0, run.output
-    losses = [[epoch["train_loss"] for epoch in json.loads(path.read_text())["history"]]
-              for path in (accumulated, plain)]
+    losses = [
+        [epoch["train_loss"] for epoch in json.loads(path.read_text())["history"]] for path in (accumulated, plain)
+    ]
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=1e-3)
 
 

@@ -40,7 +40,7 @@ def train(net, optimizer, env):
     for _ in range(STEPS):
         X, y = torch.randn(8, 1, 28, 28, generator=generator), torch.randint(0, 10, (8,), generator=generator)
         optimizer.zero_grad()
-        F.cross_entropy(net(X[env.rank::env.world_size]), y[env.rank::env.world_size]).backward()
+        F.cross_entropy(net(X[env.rank :: env.world_size]), y[env.rank :: env.world_size]).backward()
         optimizer.step()
 
 
@@ -68,14 +68,30 @@ def shard_train_and_checkpoint(env, checkpoint_dir):
     results["saved"] = full_parameters(net) + [full_tensor(optimizer.state[p]["exp_avg"]) for p in net.parameters()]
     fresh, fresh_optimizer = build(lab, env, "full")
     results["progress"] = lab.load_sharded_checkpoint(checkpoint_dir / "epoch-0001", fresh, fresh_optimizer)
-    results["loaded"] = (full_parameters(fresh)
-                         + [full_tensor(fresh_optimizer.state[p]["exp_avg"]) for p in fresh.parameters()])
+    results["loaded"] = full_parameters(fresh) + [
+        full_tensor(fresh_optimizer.state[p]["exp_avg"]) for p in fresh.parameters()
+    ]
 
     # The script's own training, in this process group: 2 epochs straight, and 1 epoch then a run that resumes
     for model, quick in (("mlp", []), ("simplecnn", ["--batch-size", "16", "--max-batches-per-epoch", "2"])):
         for name, epochs, resume in (("straight", 2, []), ("stopped", 1, []), ("stopped", 2, ["--resume"])):
-            lab.train(lab.parse_args(["--dataset", "digits", "--model", model, "--epochs", str(epochs), *quick,
-                                      "--checkpoint-dir", str(checkpoint_dir / model / name), *resume]), env)
+            lab.train(
+                lab.parse_args(
+                    [
+                        "--dataset",
+                        "digits",
+                        "--model",
+                        model,
+                        "--epochs",
+                        str(epochs),
+                        *quick,
+                        "--checkpoint-dir",
+                        str(checkpoint_dir / model / name),
+                        *resume,
+                    ]
+                ),
+                env,
+            )
     return results
 
 
@@ -93,13 +109,17 @@ def checkpoint_contents(folder, tmp_path) -> dict:
     def flatten(tree, prefix=""):
         for key, value in tree.items():
             yield from flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+
     return dict(flatten(torch.load(whole, weights_only=True)))
 
 
 def differing(first: dict, second: dict) -> list[str]:
     assert first.keys() == second.keys()
-    return [key for key in first if not (torch.equal(first[key], second[key]) if torch.is_tensor(first[key])
-                                         else first[key] == second[key])]
+    return [
+        key
+        for key in first
+        if not (torch.equal(first[key], second[key]) if torch.is_tensor(first[key]) else first[key] == second[key])
+    ]
 
 
 def test_every_parameter_becomes_a_dtensor_shard_and_training_equals_ddp(two_ranks):
@@ -135,7 +155,9 @@ def test_the_sharded_checkpoint_holds_one_file_per_rank_and_loads_back(two_ranks
 
 def test_resuming_at_the_same_world_size_continues_bit_identically(two_ranks, tmp_path):
     folder = two_ranks[0] / "mlp"  # DeepMLP has no dropout and no BatchNorm
-    straight, resumed = (checkpoint_contents(folder / name / "epoch-0002", tmp_path) for name in ("straight", "stopped"))
+    straight, resumed = (
+        checkpoint_contents(folder / name / "epoch-0002", tmp_path) for name in ("straight", "stopped")
+    )
     assert straight["progress.step"] == 24 and len(straight) > 40  # 12 steps an epoch; model, Adam, progress
     assert differing(straight, resumed) == []  # every parameter, Adam state and step counter, to the bit
     assert differing(straight, checkpoint_contents(folder / "straight" / "epoch-0001", tmp_path))  # it did train
@@ -143,8 +165,10 @@ def test_resuming_at_the_same_world_size_continues_bit_identically(two_ranks, tm
 
 def test_resuming_simplecnn_differs_since_the_checkpoint_holds_no_rng_state(two_ranks, tmp_path):
     folder = two_ranks[0] / "simplecnn"
-    first, second = ({name: checkpoint_contents(folder / name / f"epoch-000{epoch}", tmp_path)
-                      for name in ("straight", "stopped")} for epoch in (1, 2))
+    first, second = (
+        {name: checkpoint_contents(folder / name / f"epoch-000{epoch}", tmp_path) for name in ("straight", "stopped")}
+        for epoch in (1, 2)
+    )
     assert differing(first["straight"], first["stopped"]) == []  # the same until the checkpoint
     # after it, the resumed run's dropout masks come from a freshly seeded RNG: every weight moves differently
     changed = differing(second["straight"], second["stopped"])
@@ -153,8 +177,19 @@ def test_resuming_simplecnn_differs_since_the_checkpoint_holds_no_rng_state(two_
 
 def test_the_script_saves_on_two_ranks_and_resumes_on_one(tmp_path, two_ranks):
     checkpoints, first, second = tmp_path / "checkpoints", tmp_path / "first.json", tmp_path / "second.json"
-    run = torchrun(lab_path(LAB), "--dataset", "digits", "--epochs", "1", "--checkpoint-dir", checkpoints,
-                   "--metrics-file", first, nproc=2, timeout=180)
+    run = torchrun(
+        lab_path(LAB),
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--checkpoint-dir",
+        checkpoints,
+        "--metrics-file",
+        first,
+        nproc=2,
+        timeout=180,
+    )
     assert run.returncode == 0, run.output
     metrics = json.loads(first.read_text())
     assert metrics["parameters_in_sync"] is True and metrics["world_size"] == 2
@@ -163,9 +198,23 @@ def test_the_script_saves_on_two_ranks_and_resumes_on_one(tmp_path, two_ranks):
             assert rank[kind] <= 1.05 * metrics["predicted_bytes_per_rank"][kind]
     assert len(list((checkpoints / "epoch-0001").glob("*.distcp"))) == 2
 
-    run = run_command([PYTHON, lab_path(LAB), "--dataset", "digits", "--epochs", "2", "--checkpoint-dir", checkpoints,
-                       "--resume", "--metrics-file", second], timeout=180,
-                      env_extra={"OMP_NUM_THREADS": "1"})  # as torchrun sets it: 2 cores shared with other tests
+    run = run_command(
+        [
+            PYTHON,
+            lab_path(LAB),
+            "--dataset",
+            "digits",
+            "--epochs",
+            "2",
+            "--checkpoint-dir",
+            checkpoints,
+            "--resume",
+            "--metrics-file",
+            second,
+        ],
+        timeout=180,
+        env_extra={"OMP_NUM_THREADS": "1"},
+    )  # as torchrun sets it: 2 cores shared with other tests
     assert run.returncode == 0, run.output
     assert "resumed from" in run.stdout
     metrics = json.loads(second.read_text())
@@ -176,16 +225,23 @@ def test_the_script_saves_on_two_ranks_and_resumes_on_one(tmp_path, two_ranks):
 
     # The first epoch is the 2-process run's, to the bit; the continuation on 1 process is another run
     straight = two_ranks[0] / "mlp" / "straight"
-    assert differing(checkpoint_contents(checkpoints / "epoch-0001", tmp_path),
-                     checkpoint_contents(straight / "epoch-0001", tmp_path)) == []
+    assert (
+        differing(
+            checkpoint_contents(checkpoints / "epoch-0001", tmp_path),
+            checkpoint_contents(straight / "epoch-0001", tmp_path),
+        )
+        == []
+    )
     resumed = checkpoint_contents(checkpoints / "epoch-0002", tmp_path)
     assert resumed["progress.step"] == 12 + 23  # 64 samples a step on 1 process, not 128: 23 steps, not 12
     assert set(differing(resumed, checkpoint_contents(straight / "epoch-0002", tmp_path))) >= {
-        f"model.{name}" for name, _ in DeepMLP().named_parameters()}
+        f"model.{name}" for name, _ in DeepMLP().named_parameters()
+    }
 
 
 def test_bf16_with_ddp_stops_with_a_message():
-    run = run_command([PYTHON, lab_path(LAB), "--dataset", "digits", "--sharding", "none", "--precision", "bf16"],
-                      timeout=60)
+    run = run_command(
+        [PYTHON, lab_path(LAB), "--dataset", "digits", "--sharding", "none", "--precision", "bf16"], timeout=60
+    )
     assert run.returncode != 0
     assert "MixedPrecisionPolicy" in run.stderr and "Traceback" not in run.output

@@ -59,7 +59,7 @@ def train_groups(env, precision, micro_batches, accum_steps, clip_grad_norm, ini
     """The lab's train_one_epoch on DDP over LeNet; ``poison_rank`` gets an inf pixel in its first micro-batch."""
     lab = load_lab(LAB, NEEDS)
     X, y = samples(micro_batches * env.world_size * MICRO_BATCH)
-    batches = list(zip(X.split(MICRO_BATCH), y.split(MICRO_BATCH)))[env.rank::env.world_size]
+    batches = list(zip(X.split(MICRO_BATCH), y.split(MICRO_BATCH)))[env.rank :: env.world_size]
     if env.rank == poison_rank:
         batches[0][0][0, 0, 0, 0] = float("inf")
     set_seed(0)
@@ -71,13 +71,32 @@ def train_groups(env, precision, micro_batches, accum_steps, clip_grad_norm, ini
     logits_dtypes = set()  # what autocast made of the last layer's matrix product
     net.module.classifier[-1].register_forward_hook(lambda module, args, output: logits_dtypes.add(str(output.dtype)))
     norms_at_step = []  # the gradient the optimizer really applies: after any unscaling and clipping
-    optimizer.register_step_pre_hook(lambda *_: norms_at_step.append(
-        float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm())))
-    _, count, steps, skipped = lab.train_one_epoch(net, batches, optimizer, scheduler, scaler, accum_steps,
-                                                   env.device, precision=precision, clip_grad_norm=clip_grad_norm)
-    return {"before": before, "after": [p.detach() for p in net.parameters()], "steps": steps, "skipped": skipped,
-            "samples": count, "scale": scaler.get_scale(), "calls": dict(scaler.calls), "norms": norms_at_step,
-            "scheduler_steps": scheduler.last_epoch, "logits_dtypes": sorted(logits_dtypes)}
+    optimizer.register_step_pre_hook(
+        lambda *_: norms_at_step.append(float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm()))
+    )
+    _, count, steps, skipped = lab.train_one_epoch(
+        net,
+        batches,
+        optimizer,
+        scheduler,
+        scaler,
+        accum_steps,
+        env.device,
+        precision=precision,
+        clip_grad_norm=clip_grad_norm,
+    )
+    return {
+        "before": before,
+        "after": [p.detach() for p in net.parameters()],
+        "steps": steps,
+        "skipped": skipped,
+        "samples": count,
+        "scale": scaler.get_scale(),
+        "calls": dict(scaler.calls),
+        "norms": norms_at_step,
+        "scheduler_steps": scheduler.last_epoch,
+        "logits_dtypes": sorted(logits_dtypes),
+    }
 
 
 def lab_cases(env):
@@ -115,7 +134,9 @@ def reference(groups, scale=None):
 
 
 def relative_distance(update, expected_update):
-    flat = lambda tensors: torch.cat([t.flatten() for t in tensors])
+    def flat(tensors):
+        return torch.cat([t.flatten() for t in tensors])
+
     return float((flat(update) - flat(expected_update)).norm() / flat(expected_update).norm())
 
 
@@ -164,8 +185,21 @@ def test_bf16_on_digits_reaches_the_accuracy_of_fp32_within_the_margin(tmp_path)
     accuracy = {}
     for precision in ("fp32", "bf16"):
         metrics_file = tmp_path / f"{precision}.json"
-        run = torchrun(lab_path(LAB), "--dataset", "digits", "--epochs", "5", "--seed", "0", "--precision", precision,
-                       "--metrics-file", metrics_file, nproc=2, timeout=180)
+        run = torchrun(
+            lab_path(LAB),
+            "--dataset",
+            "digits",
+            "--epochs",
+            "5",
+            "--seed",
+            "0",
+            "--precision",
+            precision,
+            "--metrics-file",
+            metrics_file,
+            nproc=2,
+            timeout=180,
+        )
         assert run.returncode == 0, run.output
         metrics = json.loads(metrics_file.read_text())
         assert metrics["precision"] == precision and metrics["skipped_steps"] == 0 and metrics["final_scale"] == 1.0
@@ -176,9 +210,27 @@ def test_bf16_on_digits_reaches_the_accuracy_of_fp32_within_the_margin(tmp_path)
 
 def test_fp16_with_accumulation_and_clipping_runs_on_cpu_and_records_its_scale(tmp_path):
     metrics_file = tmp_path / "fp16.json"
-    run = torchrun(lab_path(LAB), "--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "12",
-                   "--batch-size", "16", "--grad-accum-steps", "4", "--clip-grad-norm", "1.0", "--precision", "fp16",
-                   "--metrics-file", metrics_file, nproc=2, timeout=180)
+    run = torchrun(
+        lab_path(LAB),
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--max-batches-per-epoch",
+        "12",
+        "--batch-size",
+        "16",
+        "--grad-accum-steps",
+        "4",
+        "--clip-grad-norm",
+        "1.0",
+        "--precision",
+        "fp16",
+        "--metrics-file",
+        metrics_file,
+        nproc=2,
+        timeout=180,
+    )
     assert run.returncode == 0, run.output
     metrics = json.loads(metrics_file.read_text())
     assert metrics["precision"] == "fp16" and metrics["history"][0]["optimizer_steps"] == 3

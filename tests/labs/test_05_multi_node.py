@@ -25,8 +25,9 @@ FAIL_AT = 14  # in epoch 2, two steps after the checkpoint at step 12
 
 
 def rehearse(*args, timeout=150, launcher=()):
-    return run_command([PYTHON, REHEARSE, "--timeout", timeout - 20, *launcher, "--", lab_path(LAB), *args],
-                       timeout=timeout)
+    return run_command(
+        [PYTHON, REHEARSE, "--timeout", timeout - 20, *launcher, "--", lab_path(LAB), *args], timeout=timeout
+    )
 
 
 def final_model(folder):
@@ -38,8 +39,13 @@ def final_model(folder):
 def two_nodes(tmp_path_factory):
     """An uninterrupted run of two nodes x 2 processes, each node with a disk of its own ({node})."""
     folder = tmp_path_factory.mktemp("two_nodes")
-    run = rehearse(*TRAINING, "--checkpoint-dir", folder / "node{node}" / "ckpt",
-                   "--metrics-file", folder / "node{node}" / "metrics.json")
+    run = rehearse(
+        *TRAINING,
+        "--checkpoint-dir",
+        folder / "node{node}" / "ckpt",
+        "--metrics-file",
+        folder / "node{node}" / "metrics.json",
+    )
     return folder, run
 
 
@@ -63,8 +69,16 @@ def test_two_launchers_form_a_world_of_4_and_only_global_rank_0_writes(two_nodes
 def test_a_crash_with_max_restarts_resumes_to_bit_identical_parameters(two_nodes, tmp_path):
     folder, reference = two_nodes
     assert reference.returncode == 0, reference.output[-4000:]
-    run = rehearse(*TRAINING, "--checkpoint-dir", tmp_path / "ckpt", "--fail-at-step", FAIL_AT,
-                   "--metrics-file", tmp_path / "metrics.json", launcher=["--max-restarts", "1"])
+    run = rehearse(
+        *TRAINING,
+        "--checkpoint-dir",
+        tmp_path / "ckpt",
+        "--fail-at-step",
+        FAIL_AT,
+        "--metrics-file",
+        tmp_path / "metrics.json",
+        launcher=["--max-restarts", "1"],
+    )
     assert run.returncode == 0, run.output[-4000:]
     assert f"--fail-at-step {FAIL_AT}: rank 3 fails on purpose" in run.output
     assert "resumed from" in run.stdout and "step 12" in run.stdout
@@ -88,18 +102,37 @@ def test_a_crash_with_max_restarts_resumes_to_bit_identical_parameters(two_nodes
 #   from the global RNG, once more than the uninterrupted run had at that point.
 DROPOUT = ["--model", "simplecnn", "--batch-size", "8", "--lr", "0.01", "--checkpoint-every", "2"]
 RESUME_CASES = {
-    "digits-mid-epoch": (["--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "4"], 3,
-                         "epoch 0, step 2, batch 2 of the epoch"),
-    "fashion-mnist-epoch-boundary": (["--dataset", "fashion-mnist", "--data-dir", "{data}", "--num-workers", "2",
-                                      "--epochs", "2", "--max-batches-per-epoch", "2"], 3,
-                                     "epoch 1, step 2, batch 0 of the epoch"),
+    "digits-mid-epoch": (
+        ["--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "4"],
+        3,
+        "epoch 0, step 2, batch 2 of the epoch",
+    ),
+    "fashion-mnist-epoch-boundary": (
+        [
+            "--dataset",
+            "fashion-mnist",
+            "--data-dir",
+            "{data}",
+            "--num-workers",
+            "2",
+            "--epochs",
+            "2",
+            "--max-batches-per-epoch",
+            "2",
+        ],
+        3,
+        "epoch 1, step 2, batch 0 of the epoch",
+    ),
 }
 
 
 def torchrun_restartable(*args, timeout=240):
     """2 processes on this machine, restarted once if one fails, as the lesson's fault drill runs them."""
-    return run_command([TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", lab_path(LAB),
-                        *args], timeout=timeout, env_extra={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    return run_command(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", lab_path(LAB), *args],
+        timeout=timeout,
+        env_extra={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+    )
 
 
 @pytest.fixture(scope="module", params=list(RESUME_CASES))
@@ -112,7 +145,8 @@ def dropout_run(request, tmp_path_factory):
 
 
 def test_with_dropout_a_crash_resumes_to_bit_identical_parameters_mid_epoch_and_at_an_epoch_boundary(
-        dropout_run, tmp_path):
+    dropout_run, tmp_path
+):
     case, args, reference, reference_folder = dropout_run
     assert reference.returncode == 0, reference.output[-4000:]
     _, fail_at, resumed_at = RESUME_CASES[case]
@@ -128,8 +162,9 @@ def test_with_dropout_a_crash_resumes_to_bit_identical_parameters_mid_epoch_and_
 
 
 def test_without_restarts_a_failure_ends_every_process_promptly_and_names_the_rank(tmp_path):
-    run = rehearse(*TRAINING, "--checkpoint-dir", tmp_path / "ckpt", "--fail-at-step", "3", timeout=120,
-                   launcher=["--grace", "45"])
+    run = rehearse(
+        *TRAINING, "--checkpoint-dir", tmp_path / "ckpt", "--fail-at-step", "3", timeout=120, launcher=["--grace", "45"]
+    )
     assert run.returncode != 0 and run.seconds < 90, run.output[-4000:]
     assert "rehearsal: stopping" not in run.stdout, "a launcher had to be stopped: it hung"
     assert "--fail-at-step 3: rank 3 fails on purpose" in run.output
@@ -138,8 +173,16 @@ def test_without_restarts_a_failure_ends_every_process_promptly_and_names_the_ra
 
 def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(tmp_path):
     # A world of one (plain python), 3 steps per epoch: checkpoints at steps 2, 4 and 6 (the last two kept).
-    quick = ["--dataset", "digits", "--max-batches-per-epoch", "3", "--checkpoint-every", "2",
-             "--checkpoint-dir", tmp_path]
+    quick = [
+        "--dataset",
+        "digits",
+        "--max-batches-per-epoch",
+        "3",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+        tmp_path,
+    ]
     first = run_command([PYTHON, lab_path(LAB), *quick, "--epochs", "2"], timeout=120)
     assert first.returncode == 0, first.output
     assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000006.pt", "step_00000004.pt"]

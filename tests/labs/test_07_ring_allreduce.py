@@ -94,13 +94,24 @@ def test_one_bucket_gradient_averaging_equals_ddp_with_one_collective():
 
 
 def test_the_script_checks_then_prints_bandwidth_for_every_algorithm(tmp_path):
-    run = torchrun(lab_path(LAB), "--sizes", "4K", "256K",
-                   "--iterations", "2", "--plot", tmp_path / "new" / "plot.png", nproc=3, timeout=120)
+    run = torchrun(
+        lab_path(LAB),
+        "--sizes",
+        "4K",
+        "256K",
+        "--iterations",
+        "2",
+        "--plot",
+        tmp_path / "new" / "plot.png",
+        nproc=3,
+        timeout=120,
+    )
     assert run.returncode == 0, run.output
     assert "one-bucket gradients equal DDP's: True" in run.stdout
     rows = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["4K"], ["256K"])]
     assert [(row[0], row[1]) for row in rows] == [
-        (size, name) for size in ("4K", "256K") for name in ("naive", "ring", "dist.all_reduce")]
+        (size, name) for size in ("4K", "256K") for name in ("naive", "ring", "dist.all_reduce")
+    ]
     for row in rows:
         algbw, busbw = float(row[3]), float(row[4])
         assert busbw == pytest.approx(algbw * 4 / 3, abs=2e-3)  # bus bandwidth = algbw * 2(N-1)/N at N = 3

@@ -51,8 +51,10 @@ class CallCountClock:
 
 def batches(count, size=5):
     generator = torch.Generator().manual_seed(0)
-    return [(torch.randn(size, 4, generator=generator), torch.randint(0, 3, (size,), generator=generator))
-            for _ in range(count)]
+    return [
+        (torch.randn(size, 4, generator=generator), torch.randint(0, 3, (size,), generator=generator))
+        for _ in range(count)
+    ]
 
 
 def test_measure_trains_on_every_batch_and_times_only_the_steps_after_the_warm_up(monkeypatch):
@@ -79,10 +81,14 @@ def test_measure_resets_every_devices_peak_memory_when_the_clock_starts(monkeypa
     lab = load_lab(LAB, NEEDS)
     model = CountsItsCalls()
     resets = []
-    monkeypatch.setitem(lab.time_training_steps.__globals__, "reset_peak_memory",
-                        lambda device: resets.append((str(device), model.calls)))
-    lab.time_training_steps(model, batches(4), torch.device("cpu", 0), warmup_steps=2,
-                            other_devices=[torch.device("cpu", 1)])
+    monkeypatch.setitem(
+        lab.time_training_steps.__globals__,
+        "reset_peak_memory",
+        lambda device: resets.append((str(device), model.calls)),
+    )
+    lab.time_training_steps(
+        model, batches(4), torch.device("cpu", 0), warmup_steps=2, other_devices=[torch.device("cpu", 1)]
+    )
     assert sorted(resets) == [("cpu:0", 2), ("cpu:1", 2)], "each device once, after the 2 warm-up forwards"
 
 
@@ -102,8 +108,11 @@ def test_ddp_hands_the_collective_a_tensor_on_the_process_device(monkeypatch):
 
     monkeypatch.setattr(lab.dist, "all_reduce", all_reduce)
     monkeypatch.setattr(lab, "DDP", lambda model, device_ids: model)  # no process group needed
-    monkeypatch.setattr(lab, "time_training_steps", lambda *args, **kwargs: {"seconds": 1.0, "samples": 8,
-                                                                              "steps": 1, "peak_memory_mib": 1.0})
+    monkeypatch.setattr(
+        lab,
+        "time_training_steps",
+        lambda *args, **kwargs: {"seconds": 1.0, "samples": 8, "steps": 1, "peak_memory_mib": 1.0},
+    )
     env = DistEnv(rank=0, local_rank=0, world_size=1, backend="nccl", device=torch.device("meta"))
     X, y = torch.randn(8, *LeNet.input_shape), torch.zeros(8, dtype=torch.long)
     with pytest.raises(StopAtTheCollective):
