@@ -6,6 +6,7 @@ turns that into a ``ConfigurationError`` before training starts, so ``--precisio
 something else.
 """
 
+import argparse
 import warnings
 
 import torch
@@ -14,6 +15,17 @@ from common.distributed import ConfigurationError
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The ``--precision`` choices and the dtype that autocast runs its low-precision ops in (fp32: autocast off)."""
+
+
+def precision_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add lesson 05's option to ``parser``: ``--precision``, the autocast dtype of the forward pass."""
+    parser.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        default="fp32",
+        help="autocast dtype of the forward pass; fp16 adds loss scaling",
+    )
+    return parser
 
 
 def check_precision(precision: str, device: torch.device) -> None:

@@ -71,6 +71,19 @@ def accumulation_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     return parser
 
 
+def accumulation_details(args, world_size: int) -> dict:
+    """Lesson 04's settings for the run's summary (``finish_run``): the batch per process and per optimizer step
+    (the effective batch: batch size x micro-steps x processes), the learning rate, warm-up and clipping."""
+    return {
+        "batch_size_per_process": args.batch_size,
+        "grad_accum_steps": args.grad_accum_steps,
+        "effective_batch_size": args.batch_size * args.grad_accum_steps * world_size,
+        "lr": args.lr,
+        "warmup_steps": args.warmup_steps,
+        "clip_grad_norm": args.clip_grad_norm,
+    }
+
+
 def linear_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A scheduler that multiplies the learning rate by 1/w, 2/w, ... up to 1 after w = ``warmup_steps + 1`` steps,
     then leaves it constant. Step it once per optimizer step, so that warm-up counts optimizer steps."""

@@ -37,10 +37,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.distributed import print0, process_group, set_seed
 from common.models import MODELS
-from common.precision import PRECISIONS, check_precision
+from common.precision import PRECISIONS, check_precision, precision_arguments
 from common.training import (
     TrainingHistory,
     accumulation_arguments,
+    accumulation_details,
     finish_run,
     linear_warmup,
     make_loaders,
@@ -50,14 +51,7 @@ from common.training import (
 
 
 def parse_args(argv=None):
-    parser = accumulation_arguments(training_arguments(__doc__.splitlines()[0]))
-    parser.add_argument(
-        "--precision",
-        choices=list(PRECISIONS),
-        default="fp32",
-        help="autocast dtype of the forward pass; fp16 adds loss scaling",
-    )
-    return parser.parse_args(argv)
+    return precision_arguments(accumulation_arguments(training_arguments(__doc__.splitlines()[0]))).parse_args(argv)
 
 
 def main(args):
@@ -100,52 +94,24 @@ def train(args, env):
             clip_grad_norm=args.clip_grad_norm,
         )
         skipped_total += skipped_steps
-        history.end_epoch(
-            epoch + 1,
-            net,
-            loss_sum,
-            samples,
-            test_iter,
-            optimizer_steps=optimizer_steps,
-            skipped_steps=skipped_steps,
-            loss_scale=scaler.get_scale(),
-            lr=scheduler.get_last_lr()[0],
-        )
+        steps = dict(optimizer_steps=optimizer_steps, skipped_steps=skipped_steps, loss_scale=scaler.get_scale())
+        history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter, **steps, lr=scheduler.get_last_lr()[0])
         if scaler.is_enabled():
             print0(
                 f"  loss scale {scaler.get_scale():g}, {skipped_steps} of {optimizer_steps} step(s) skipped "
                 f"(inf/NaN gradients)"
             )
-    finish_run(
-        net,
-        history,
-        args,
-        precision=args.precision,
-        skipped_steps=skipped_total,
-        final_scale=scaler.get_scale(),
-        batch_size_per_process=args.batch_size,
-        grad_accum_steps=args.grad_accum_steps,
-        effective_batch_size=effective_batch,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        clip_grad_norm=args.clip_grad_norm,
-    )
+    scaling = dict(precision=args.precision, skipped_steps=skipped_total, final_scale=scaler.get_scale())
+    finish_run(net, history, args, **scaling, **accumulation_details(args, env.world_size))
 
 
 def train_one_epoch(
-    net,
-    batches,
-    optimizer,
-    scheduler,
-    scaler,
-    accum_steps: int,
-    device,
-    precision: str = "fp32",
-    clip_grad_norm: float | None = None,
+    net, batches, optimizer, scheduler, scaler, accum_steps: int, device, precision: str = "fp32", clip_grad_norm=None
 ):
     """One pass over ``batches`` (micro-batches), an optimizer step after every ``accum_steps`` of them and after the
-    last, possibly shorter, group, the forward pass autocast to ``precision``. Returns the summed loss (a tensor),
-    the samples, the optimizer steps attempted and how many of them the scaler skipped."""
+    last, possibly shorter, group, the forward pass autocast to ``precision``, the gradients clipped to the global
+    norm ``clip_grad_norm`` when one is given. Returns the summed loss (a tensor), the samples, the optimizer steps
+    attempted and how many of them the scaler skipped."""
     net.train()
     loss_sum, samples, optimizer_steps, skipped_steps = torch.zeros((), device=device), 0, 0, 0
     for i, (X, y) in enumerate(batches):

@@ -27,6 +27,7 @@ from common.models import MODELS
 from common.training import (
     TrainingHistory,
     accumulation_arguments,
+    accumulation_details,
     finish_run,
     linear_warmup,
     make_loaders,
@@ -76,17 +77,7 @@ def train(args, env):
         history.end_epoch(
             epoch + 1, net, loss_sum, samples, test_iter, optimizer_steps=optimizer_steps, lr=scheduler.get_last_lr()[0]
         )
-    finish_run(
-        net,
-        history,
-        args,
-        batch_size_per_process=args.batch_size,
-        grad_accum_steps=args.grad_accum_steps,
-        effective_batch_size=effective_batch,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        clip_grad_norm=args.clip_grad_norm,
-    )
+    finish_run(net, history, args, **accumulation_details(args, env.world_size))
 
 
 def train_one_epoch(net, batches, optimizer, scheduler, accum_steps: int, device, clip_grad_norm: float | None = None):
