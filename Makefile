@@ -15,8 +15,9 @@ test: $(READY)
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
 
-# On a GPU machine: runs every solution with NCCL and the GPU benchmarks, writes $(RESULTS)/<gpu-model>/. It uses
-# the machine's own PyTorch (no .venv, no network); without a GPU it says so and fails. See scripts/gpu_check.py.
+# On a GPU machine: runs every solution with NCCL and the GPU benchmarks, writes $(RESULTS)/<gpu-model>/. It sets up
+# nothing and installs nothing from the network: it runs with .venv's Python where .venv exists, else with python3
+# (a bare GPU machine's own PyTorch), or with GPU_PYTHON=...; without a GPU it says so and fails.
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 RESULTS ?= results
 gpu-check:

@@ -69,8 +69,9 @@ def set_fp32_math(precision: str) -> None:
     """How fp32 matrix products and convolutions compute on CUDA: TF32 for ``tf32``, full fp32 (``ieee``) else.
 
     PyTorch's defaults differ per backend (cuDNN convolutions may use TF32, cuBLAS matrix products may not): both
-    are set here, so that ``fp32`` means fp32 and ``tf32`` means TF32. ``fp32_precision`` is the API that
-    replaces ``allow_tf32`` since PyTorch 2.9. The autocast rows keep this too, for the ops autocast leaves in fp32.
+    are set here, so that ``fp32`` means fp32 and ``tf32`` means TF32. ``fp32_precision`` is the API PyTorch 2.9
+    introduced in place of ``allow_tf32`` (which still works, and sets it). The autocast rows keep this too, for the
+    ops autocast leaves in fp32.
     """
     math = "tf32" if precision == "tf32" else "ieee"
     torch.backends.cuda.matmul.fp32_precision = math

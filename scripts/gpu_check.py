@@ -5,7 +5,8 @@
     python3 scripts/gpu_check.py --dry-run       # any machine: lists what it would run, runs nothing
 
 In this order, each part under a time limit so that the whole stays within ``--budget`` seconds:
-1. every solution under ``torchrun --standalone --nproc_per_node=<GPUs>`` (NCCL), digits, a few batches: pass/FAIL;
+1. every solution under ``torchrun --standalone --nproc_per_node=<GPUs>`` (NCCL), the training ones on digits for a
+   few batches: pass/FAIL;
 2. ``benchmarks/mixed_precision.py``: SimpleCNN at batch 256 in fp32 (TF32 off), tf32, bf16 and fp16;
 3. ``benchmarks/fsdp_memory.py`` at world sizes 1, 2, 4, ... up to the GPUs: model state and CUDA peak per strategy;
 4. ``benchmarks/profile_ddp_step.py``: a Chrome trace of DDP steps and their costliest kernels;
