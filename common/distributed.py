@@ -55,6 +55,11 @@ class DistEnv:
         CPU, where DDP refuses a device list. With it, DDP's forward moves the inputs to that GPU too."""
         return [self.device] if self.device.type == "cuda" else None
 
+    @property
+    def summary(self) -> str:
+        """How a run's first line names its set-up, e.g. ``2 process(es), backend gloo, device cpu``."""
+        return f"{self.world_size} process(es), backend {self.backend}, device {self.device.type}"
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)

@@ -15,7 +15,8 @@ over ranks.
 Checkpoints stay sharded: ``save_sharded_checkpoint`` has every rank write its own shards with
 ``torch.distributed.checkpoint`` (DCP), and ``load_sharded_checkpoint`` reads them back at any world size.
 ``export_full_state_dict`` gathers a plain, unsharded ``state_dict`` for a model without any wrapper.
-``report_model_state`` prints what each rank holds beside ZeRO's prediction (``common.memory``).
+``report_model_state`` prints what each rank holds beside ZeRO's prediction (``common.memory``), and
+``finish_sharded_run`` ends a run with it, as ``common.training.finish_run`` ends the DDP scripts' runs.
 """
 
 import argparse
@@ -42,10 +43,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from common.checkpoint import atomic_write, unwrap
-from common.distributed import is_main, print0
+from common.distributed import is_main, print0, replicas_in_sync
 from common.launch import load_script
 from common.memory import local_bytes, peak_memory_mib, reset_peak_memory, training_state_bytes, zero_bytes_per_rank
 from common.models import DeepMLP
+from common.training import TrainingHistory, write_metrics
 
 SOLUTION = Path(__file__).resolve().parents[1] / "solutions" / "03_fsdp.py"  # lesson 06's shard_model and checkpoints
 SHARDING = ("full", "grad-op", "none")  # the --sharding choices: FSDP2 with reshard_after_forward True, False; DDP
@@ -79,14 +81,16 @@ def sharding_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def check_sharding_arguments(parser: argparse.ArgumentParser, args) -> None:
-    """Stop with a usage message (``parser.error``) where ``sharding_arguments``' options do not go together."""
+def check_sharding_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Return ``args``, or stop with a usage message (``parser.error``) where ``sharding_arguments``' options do not
+    go together."""
     if args.resume and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir")
     if args.precision != "fp32" and args.sharding == "none":
         parser.error("--precision bf16 goes through FSDP2's MixedPrecisionPolicy: use --sharding full or grad-op")
     if args.cpu_offload and args.sharding == "none":
         parser.error("--cpu-offload goes through FSDP2's CPUOffloadPolicy: use --sharding full or grad-op")
+    return args
 
 
 def make_mesh(env) -> DeviceMesh:
@@ -239,6 +243,19 @@ def report_model_state(env, num_parameters: int, sharding: str, state_bytes: dic
             f" | held between forward and backward {row['parameters_after_forward'] / 1e6:.2f}"
         )
     return {"predicted_bytes_per_rank": predicted, "memory_per_rank": per_rank}
+
+
+def finish_sharded_run(net: nn.Module, history: TrainingHistory, args, state_bytes: dict | None) -> None:
+    """Lesson 06's ``finish_run`` (call on every rank): check that the gathered parameters are identical on every
+    rank, print each rank's model state beside ZeRO's prediction (``report_model_state``, with ``state_bytes``),
+    then ``write_metrics`` with the run's sharding, precision and parameter count."""
+    env = history.env
+    num_parameters = sum(p.numel() for p in net.parameters())  # a DTensor's numel() is the whole tensor's
+    in_sync = replicas_in_sync(net)  # gathers the shards: a collective
+    print0(f"full parameters identical on all {env.world_size} rank(s): {in_sync}")
+    memory = report_model_state(env, num_parameters, args.sharding, state_bytes)  # every rank's, and ZeRO's
+    setting = dict(sharding=args.sharding, precision=args.precision, num_parameters=num_parameters)
+    write_metrics(history, args, **setting, parameters_in_sync=in_sync, **memory)
 
 
 def measure_model_state(

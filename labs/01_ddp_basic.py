@@ -57,10 +57,7 @@ def main(args):
 
 
 def train(args, env):
-    print0(
-        f"{env.world_size} process(es), backend {env.backend}, device {env.device.type} | "
-        + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items())
-    )
+    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
     # Data: every rank builds the same data set; each sampler hands its rank a disjoint shard.
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)

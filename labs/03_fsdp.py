@@ -38,22 +38,22 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.distributed import print0, process_group, replicas_in_sync, set_seed
+from common.distributed import print0, process_group, set_seed
 from common.fsdp import (
     check_sharding_arguments,
     epoch_checkpoint_dir,
     export_full_state_dict,
+    finish_sharded_run,
     latest_checkpoint,
     make_mesh,
     mixed_precision_policy,
-    report_model_state,
     reshard,
     sharding_arguments,
 )
 
 from common.memory import local_bytes, training_state_bytes
 from common.models import MODELS
-from common.training import TrainingHistory, make_loaders, progress_bar, training_arguments, write_metrics
+from common.training import TrainingHistory, make_loaders, progress_bar, training_arguments
 # What the functions you write below use:
 import os
 import shutil
@@ -90,9 +90,7 @@ def load_sharded_checkpoint(path, net: nn.Module, optimizer: torch.optim.Optimiz
 def parse_args(argv=None):
     parser = sharding_arguments(training_arguments(__doc__.splitlines()[0]))
     parser.set_defaults(model="mlp", lr=1e-3)  # Adam's usual learning rate; the model whose blocks shard
-    args = parser.parse_args(argv)
-    check_sharding_arguments(parser, args)  # e.g. --resume needs --checkpoint-dir
-    return args
+    return check_sharding_arguments(parser, parser.parse_args(argv))  # e.g. --resume needs --checkpoint-dir
 
 
 def main(args):
@@ -101,16 +99,12 @@ def main(args):
 
 
 def train(args, env):
-    print0(
-        f"{env.world_size} process(es), backend {env.backend}, device {env.device.type} | sharding "
-        f"{args.sharding}, precision {args.precision}, model {args.model}"
-    )
+    print0(f"{env.summary} | sharding {args.sharding}, precision {args.precision}, model {args.model}")
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)
 
     set_seed(args.seed)  # the same full model on every rank, before it is cut into shards
     model = model_class(num_classes=data.num_classes).to(env.device)
-    num_parameters = sum(p.numel() for p in model.parameters())
     net = shard_model(model, env, args.sharding, args.precision, args.cpu_offload)
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)  # after sharding: it holds the shards' states
@@ -124,9 +118,8 @@ def train(args, env):
     for epoch in range(start_epoch, args.epochs):
         train_iter.sampler.set_epoch(epoch)
         history.start_epoch()
-        loss_sum, samples, state_bytes = train_one_epoch(
-            net, progress_bar(train_iter, f"epoch {epoch + 1}"), optimizer, env.device
-        )
+        batches = progress_bar(train_iter, f"epoch {epoch + 1}")
+        loss_sum, samples, state_bytes = train_one_epoch(net, batches, optimizer, env.device)
         step += len(train_iter)
         history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter)
         reshard(net)  # evaluation's forwards (no backward) left the root gathered, and under grad-op every block
@@ -136,26 +129,12 @@ def train(args, env):
             )
     if args.checkpoint_dir:  # one plain state_dict for a model without any wrapper
         export_full_state_dict(args.checkpoint_dir / "model_full.pt", net)
-
-    in_sync = replicas_in_sync(net)  # gathers the shards: a collective
-    print0(f"full parameters identical on all {env.world_size} rank(s): {in_sync}")
-    memory = report_model_state(env, num_parameters, args.sharding, state_bytes)  # every rank's, and ZeRO's
-    write_metrics(
-        history,
-        args,
-        sharding=args.sharding,
-        precision=args.precision,
-        num_parameters=num_parameters,
-        parameters_in_sync=in_sync,
-        **memory,
-    )
+    finish_sharded_run(net, history, args, state_bytes)  # in sync? each rank's memory, and ZeRO's
 
 
 def shard_model(model, env, sharding: str, precision: str = "fp32", offload: bool = False):
     """Apply the data parallelism that ``sharding`` names to ``model`` (in place); return the model to train.
-
-    ``offload``: FSDP2 keeps the shards, their gradients and Adam's states in CPU memory and steps on the CPU.
-    """
+    ``offload``: FSDP2 keeps the shards, their gradients and Adam's states in CPU memory and steps on the CPU."""
     if sharding == "none":
         return DDP(model, device_ids=env.device_ids)
     mesh = make_mesh(env)  # 1-D: all ranks shard every parameter among themselves

@@ -63,7 +63,7 @@ def train(args, env):
     check_precision(args.precision, env.device)
     effective_batch = args.batch_size * args.grad_accum_steps * env.world_size
     print0(
-        f"{env.world_size} process(es), backend {env.backend}, device {env.device.type}, precision "
+        f"{env.summary}, precision "
         f"{args.precision} | effective batch {effective_batch} = {args.batch_size} x {args.grad_accum_steps} "
         f"micro-steps x {env.world_size} process(es), lr {args.lr}, warm-up {args.warmup_steps} step(s)"
     )

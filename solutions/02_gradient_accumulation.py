@@ -48,7 +48,7 @@ def main(args):
 def train(args, env):
     effective_batch = args.batch_size * args.grad_accum_steps * env.world_size
     print0(
-        f"{env.world_size} process(es), backend {env.backend}, device {env.device.type} | effective batch "
+        f"{env.summary} | effective batch "
         f"{effective_batch} = {args.batch_size} per micro-step x {args.grad_accum_steps} micro-steps x "
         f"{env.world_size} process(es), lr {args.lr}, warm-up {args.warmup_steps} step(s)"
     )
