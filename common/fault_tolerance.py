@@ -13,9 +13,10 @@ checkpoint from a damaged one. This module does the file side of that:
 - ``newest_valid_checkpoint`` walks the checkpoints from the newest down and returns the first that passes.
 
 Who writes (global rank 0 only) and what goes into the state is the training script's business:
-``solutions/05_multi_node.py`` shows both.
+``solutions/05_multi_node.py`` shows both. ``fault_tolerance_arguments`` adds that script's options.
 """
 
+import argparse
 import hashlib
 import io
 import os
@@ -28,8 +29,19 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint import atomic_write
+from common.cli import positive_int
 
 NAME = re.compile(r"^step_(\d{8})\.pt$")
+
+
+def fault_tolerance_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add lesson 07's options to ``parser``: where and how often to checkpoint, how many checkpoints to keep, and
+    the fault drill's hook."""
+    parser.add_argument("--checkpoint-dir", help="saved here; a (re)start resumes from here (on a cluster: shared)")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=50, help="optimizer steps between saves")
+    parser.add_argument("--keep-checkpoints", type=positive_int, default=2, help="the newest N are kept")
+    parser.add_argument("--fail-at-step", type=positive_int, help="test hook: the last rank fails here, first attempt")
+    return parser
 
 
 class CorruptCheckpoint(Exception):

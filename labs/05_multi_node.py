@@ -42,9 +42,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import unwrap
-from common.cli import positive_int
 from common.distributed import is_main, print0, process_group, rank_map, set_seed
 from common.fault_tolerance import (
+    fault_tolerance_arguments,
     gather_rng_states,
     newest_valid_checkpoint,
     prune_checkpoints,
@@ -59,12 +59,7 @@ from common.training import TrainingHistory, finish_run, make_loaders, training_
 
 
 def parse_args(argv=None):
-    parser = training_arguments(__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint-dir", help="saved here; a (re)start resumes from here (on a cluster: shared)")
-    parser.add_argument("--checkpoint-every", type=positive_int, default=50, help="optimizer steps between saves")
-    parser.add_argument("--keep-checkpoints", type=positive_int, default=2, help="the newest N are kept")
-    parser.add_argument("--fail-at-step", type=positive_int, help="test hook: the last rank fails here, first attempt")
-    return parser.parse_args(argv)
+    return fault_tolerance_arguments(training_arguments(__doc__.splitlines()[0])).parse_args(argv)
 
 
 @record  # a failing worker's traceback goes to torchrun's error file, and its summary names the rank
@@ -76,18 +71,15 @@ def main(args):
 def train(args, env):
     attempt = restart_attempt(env.device)  # 0, then 1 after the first restart... the same on every rank
     where = rank_map(env)  # (node rank, local rank, host) of every rank
-    print0(
-        f"{env.world_size} process(es), backend {env.backend}, attempt {attempt} | "
-        + ", ".join(f"rank {r}: node {n} local {lr} on {h}" for r, (n, lr, h) in enumerate(where))
-    )
+    placement = ", ".join(f"rank {r}: node {n} local {lr} on {h}" for r, (n, lr, h) in enumerate(where))
+    print0(f"{env.world_size} process(es), backend {env.backend}, attempt {attempt} | {placement}")
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)
     set_seed(args.seed)
     # find_unused_parameters=True keeps DDP's first gradient buckets for the run: rebuilt after step 1 (the default),
     # a resumed run's first step would sum in another order (4 ranks: 1 ulp off; tests/test_checkpoint.py).
-    net = DDP(
-        model_class(num_classes=data.num_classes).to(env.device), device_ids=env.device_ids, find_unused_parameters=True
-    )
+    model = model_class(num_classes=data.num_classes).to(env.device)
+    net = DDP(model, device_ids=env.device_ids, find_unused_parameters=True)
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=len(train_iter), gamma=0.8)  # per epoch
@@ -118,15 +110,8 @@ def train(args, env):
         history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter, step=step, attempt=attempt)
         if args.checkpoint_dir and (step % args.checkpoint_every == 0 or epoch + 1 == args.epochs):
             save(args, step, epoch + 1, 0, net, optimizer, scheduler, history.rows)  # the epoch's figures too
-    finish_run(
-        net,
-        history,
-        args,
-        restarts=attempt,
-        final_step=step,
-        batch_size_per_process=args.batch_size,
-        nodes=len({node for node, _, _ in where}),
-    )
+    run = dict(restarts=attempt, final_step=step, batch_size_per_process=args.batch_size)
+    finish_run(net, history, args, **run, nodes=len({node for node, _, _ in where}))
 
 
 def save(args, step, epoch, batch_in_epoch, net, optimizer, scheduler, history):
