@@ -1,8 +1,14 @@
-"""Argument types for the scripts' command lines: a bad value stops argparse with a one-line message."""
+"""The scripts' command lines: one kind of parser, and argument types whose bad values stop argparse with a one-line
+message."""
 
 import argparse
 
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}  # binary: 1K is 1024 bytes
+
+
+def argument_parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser whose ``--help`` starts with ``description`` and shows every option's default."""
+    return argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def positive_int(text: str) -> int:

@@ -1,9 +1,9 @@
 """What the measuring solutions write for people to read: a line per result, Markdown tables, JSON and PNG plots.
 
 - ``plot_bus_bandwidth``: lesson 01's all-reduce timings (``solutions/07_ring_allreduce.py``), bandwidth against size.
-- ``describe_comparison``, ``write_comparison``: lesson 02's DataParallel against DDP (``solutions/08_dp_vs_ddp.py``),
-  samples/s and peak memory per device, as a line, a table (``results.md``), figures (``results.json``) and a
-  plot (``results.png``).
+- ``comparison_result``, ``describe_comparison``, ``write_comparison``: lesson 02's DataParallel against DDP
+  (``solutions/08_dp_vs_ddp.py``), samples/s and peak memory per device, as a line, a table (``results.md``),
+  figures (``results.json``) and a plot (``results.png``).
 
 Plots use ``matplotlib.figure.Figure`` directly, not ``pyplot``: nothing to display, no global figure state.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from common.cli import parse_size
+from common.memory import memory_kind
 from common.metrics import write_json
 
 
@@ -33,6 +34,21 @@ def plot_bus_bandwidth(rows: list[dict], path, title: str) -> None:
     axes.legend()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
+
+
+def comparison_result(
+    mode: str, processes: int, devices: list[str], samples_per_second: float, peak_memory_mib: list[float], device
+) -> dict:
+    """One mode's figures, as ``describe_comparison`` and ``write_comparison`` read them: ``devices`` and
+    ``peak_memory_mib`` one per device; ``device``, the first of them, tells how memory was measured."""
+    return {
+        "mode": mode,
+        "processes": processes,
+        "devices": devices,
+        "samples_per_second": samples_per_second,
+        "peak_memory_mib": peak_memory_mib,
+        "memory_kind": memory_kind(device),
+    }
 
 
 def describe_comparison(result: dict) -> str:

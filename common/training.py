@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common.cli import non_negative_int, positive_float, positive_int
+from common.cli import argument_parser, non_negative_int, positive_float, positive_int
 from common.data import DATASETS, FirstBatches, load_data, make_loader
 from common.distributed import BACKENDS, all_reduce_sum, global_mean, is_main, print0, replicas_in_sync
 from common.metrics import evaluate, run_summary, write_json
@@ -25,7 +25,7 @@ from common.models import MODELS
 
 def training_arguments(description: str) -> argparse.ArgumentParser:
     """An argument parser with the options every training script has; a script adds its own to it."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argument_parser(description)
     parser.add_argument("--dataset", choices=DATASETS, default="fashion-mnist")
     parser.add_argument("--data-dir", default="./data", help="where torchvision data sets are downloaded")
     parser.add_argument("--model", choices=list(MODELS), default="lenet")

@@ -14,7 +14,6 @@ writes a table (``results.md``), the figures (``results.json``) and a plot (``re
 On CPUs, memory is each process's peak resident memory (Python and PyTorch included), not a device figure.
 """
 
-import argparse
 import gc
 from pathlib import Path
 
@@ -23,10 +22,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.cli import non_negative_int, positive_int
+from common.cli import argument_parser, non_negative_int, positive_int
 from common.data import NUM_CLASSES
 from common.distributed import BACKENDS, is_main, print0, process_group, set_seed
-from common.memory import memory_kind, peak_memory_mib
+from common.memory import peak_memory_mib
 
 # BEGIN LAB: the timing loop
 # Train on every (X, y) (cross-entropy, zero_grad, backward, step). After `warmup_steps` steps, synchronize and
@@ -37,36 +36,24 @@ from common.metrics import time_training_steps  # isort: skip
 
 # END LAB
 from common.models import MODELS
-from common.reports import describe_comparison, write_comparison
+from common.reports import comparison_result, describe_comparison, write_comparison
+
+BATCH_SIZE_HELP = "per device: the global batch is this times the number of processes"
+WARMUP_STEPS_HELP = (
+    "untimed steps first: first allocations, library handles created on first use, DDP's bucket rebuild (in its step 2)"
+)
+RESULTS_DIR_HELP = "global rank 0 writes results.json, results.md and results.png here"
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="simplecnn")
-    parser.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=64,
-        help="per device: the global batch is this times the number of processes",
-    )
+    parser.add_argument("--batch-size", type=positive_int, default=64, help=BATCH_SIZE_HELP)
     parser.add_argument("--steps", type=positive_int, default=20, help="timed training steps per mode")
-    parser.add_argument(
-        "--warmup-steps",
-        type=non_negative_int,
-        default=3,
-        help="untimed steps first: first "
-        "allocations, library handles created on first use, DDP's bucket rebuild (in its step 2)",
-    )
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=3, help=WARMUP_STEPS_HELP)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: NCCL if every process has a GPU")
-    parser.add_argument(
-        "--results-dir",
-        type=Path,
-        default=Path("runs/08_dp_vs_ddp"),
-        help="global rank 0 writes results.json, results.md and results.png here",
-    )
+    parser.add_argument("--results-dir", type=Path, default=Path("runs/08_dp_vs_ddp"), help=RESULTS_DIR_HELP)
     return parser.parse_args(argv)
 
 
@@ -104,14 +91,8 @@ def compare(args, env):
         results.append(dp)
         print(describe_comparison(dp))
         print(f"DDP / DataParallel: {ddp['samples_per_second'] / dp['samples_per_second']:.2f}x the samples/s")
-    setting = {
-        "model": args.model,
-        "batch_size_per_device": args.batch_size,
-        "global_batch_size": global_batch,
-        "steps": args.steps,
-        "warmup_steps": args.warmup_steps,
-        "backend": env.backend,
-    }
+    setting = dict(model=args.model, batch_size_per_device=args.batch_size, global_batch_size=global_batch)
+    setting.update(steps=args.steps, warmup_steps=args.warmup_steps, backend=env.backend)
     write_comparison(args.results_dir, results, skipped, setting, f"{env.backend} on {env.device.type}")
     print(f"table, figures and plot written to {args.results_dir}")
 
@@ -129,14 +110,9 @@ def measure_ddp(model_class, X, y, args, env) -> dict:
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     per_rank = [None] * env.world_size
     dist.all_gather_object(per_rank, (f"{env.device} (rank {env.rank})", timing["peak_memory_mib"]))
-    return {
-        "mode": "DDP",
-        "processes": env.world_size,
-        "devices": [device for device, _ in per_rank],
-        "samples_per_second": timing["samples"] * env.world_size / seconds.item(),
-        "peak_memory_mib": [memory for _, memory in per_rank],
-        "memory_kind": memory_kind(env.device),
-    }
+    devices, memory = [name for name, _ in per_rank], [mib for _, mib in per_rank]
+    samples_per_second = timing["samples"] * env.world_size / seconds.item()
+    return comparison_result("DDP", env.world_size, devices, samples_per_second, memory, env.device)
 
 
 def dataparallel_unavailable(env) -> str | None:
@@ -160,17 +136,11 @@ def measure_dataparallel(model_class, X, y, device_ids, args) -> dict:
     # END LAB
     X, y = X.to(f"cuda:{device_ids[0]}"), y.to(f"cuda:{device_ids[0]}")  # the whole batch on GPU 0, as users do
     devices = [torch.device(f"cuda:{i}") for i in device_ids]
-    timing = time_training_steps(
-        net, [(X, y)] * (args.warmup_steps + args.steps), devices[0], args.warmup_steps, other_devices=devices[1:]
-    )
-    return {
-        "mode": "DataParallel",
-        "processes": 1,
-        "devices": [str(device) for device in devices],
-        "samples_per_second": timing["samples"] / timing["seconds"],
-        "peak_memory_mib": [timing["peak_memory_mib"]] + [peak_memory_mib(d) for d in devices[1:]],
-        "memory_kind": memory_kind(devices[0]),
-    }
+    batches = [(X, y)] * (args.warmup_steps + args.steps)
+    timing = time_training_steps(net, batches, devices[0], args.warmup_steps, other_devices=devices[1:])
+    memory = [timing["peak_memory_mib"]] + [peak_memory_mib(d) for d in devices[1:]]
+    samples_per_second = timing["samples"] / timing["seconds"]
+    return comparison_result("DataParallel", 1, [str(d) for d in devices], samples_per_second, memory, devices[0])
 
 
 if __name__ == "__main__":
