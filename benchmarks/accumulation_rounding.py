@@ -16,12 +16,10 @@ as the solutions use:
    checkpointed step.
 """
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
-from common.cli import positive_int
+from common.cli import argument_parser, positive_int
 from common.data import load_data
 from common.models import LeNet
 
@@ -29,9 +27,7 @@ BATCH_SIZE, LR, MOMENTUM = 64, 0.05, 0.9
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=120, help="optimizer steps of the training run")
     parser.add_argument("--micro-steps", type=positive_int, default=4, help="micro-batches per batch of 64")
     parser.add_argument(

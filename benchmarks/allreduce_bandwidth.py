@@ -26,13 +26,12 @@ of the rounds beside it; the fits and predictions use the best rounds, as ``time
 other work can only slow a measurement down.
 """
 
-import argparse
 import statistics
 
 import torch
 import torch.distributed as dist
 
-from common.cli import parse_size, positive_int
+from common.cli import argument_parser, parse_size, positive_int
 from common.collectives import count_messages, exchange, naive_all_reduce, ring_all_reduce
 from common.distributed import BACKENDS, print0, setup_distributed, teardown_distributed
 from common.metrics import slowest_rank_seconds
@@ -41,9 +40,7 @@ ALGORITHMS = {"naive": naive_all_reduce, "ring": ring_all_reduce, "dist.all_redu
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument(
         "--sizes",
         nargs="+",

@@ -12,13 +12,12 @@ buffers included, which the model state leaves out. With one rank nothing is div
 whole model, and only the gathering pattern differs.
 """
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 
-from common.cli import positive_int
+from common.cli import argument_parser, positive_int
 from common.distributed import is_main, print0, setup_distributed, teardown_distributed
 from common.fsdp import STRATEGIES, measure_model_state
 from common.memory import zero_bytes_per_rank
@@ -29,9 +28,7 @@ MIB = 2**20
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--width", type=positive_int, default=512, help="DeepMLP width")
     parser.add_argument("--depth", type=positive_int, default=4, help="DeepMLP blocks")
     parser.add_argument("--batch-size", type=positive_int, default=32)

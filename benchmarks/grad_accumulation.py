@@ -9,7 +9,6 @@ micro-step. A DDP communication hook counts the allreduces and their bytes (``co
 is the gradient data all-reduced, of which a ring allreduce sends 2(N-1)/N from each process.
 """
 
-import argparse
 import statistics
 import time
 from contextlib import nullcontext
@@ -19,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.cli import positive_int
+from common.cli import argument_parser, positive_int
 from common.collectives import AllReduceCounter
 from common.distributed import BACKENDS, print0, set_seed, setup_distributed, teardown_distributed
 from common.metrics import synchronize
@@ -27,9 +26,7 @@ from common.models import MODELS
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="simplecnn")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="per process and micro-step")
     parser.add_argument("--accum-steps", type=positive_int, default=4)

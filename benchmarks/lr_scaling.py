@@ -14,20 +14,18 @@ number of epochs (so the large-batch runs take k times fewer optimizer steps):
 It prints each run's test accuracy after every epoch and writes them to --results-file for plotting.
 """
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
+from common.cli import argument_parser
 from common.launch import launch
 
 DIGITS_TRAIN_SIZE = 1438
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16, help="per process and micro-step")
     parser.add_argument("--accum-steps", type=int, default=4, help="k: the large batch is k times the baseline")

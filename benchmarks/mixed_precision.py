@@ -21,7 +21,6 @@ machine other work can only slow a measurement down. Two memory figures:
   PyTorch included, which cannot be reset: each precision therefore runs in a fresh process of its own.
 """
 
-import argparse
 import json
 import multiprocessing
 import statistics
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.cli import positive_int
+from common.cli import argument_parser, positive_int
 from common.memory import memory_kind, peak_memory_mib, reset_peak_memory
 from common.metrics import synchronize
 from common.models import MODELS
@@ -43,9 +42,7 @@ VARIANTS = ("fp32", "tf32", *(precision for precision in PRECISIONS if precision
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="simplecnn")
     parser.add_argument("--batch-size", type=positive_int, help="default: 256 on a GPU, 64 on a CPU")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed training steps per precision")

@@ -12,7 +12,6 @@ the trace, which https://ui.perfetto.dev or chrome://tracing opens (a ``.gz`` na
 On a GPU, device time covers kernels only: a step's wall time is also spent launching them and waiting.
 """
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from common.cli import positive_int
+from common.cli import argument_parser, positive_int
 from common.distributed import is_main, print0, set_seed, setup_distributed, teardown_distributed
 from common.metrics import synchronize
 from common.models import MODELS
@@ -31,9 +30,7 @@ COMMUNICATION_MARKS = ("nccl", "gloo", "c10d")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="simplecnn")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="per rank")
     parser.add_argument("--warmup", type=positive_int, default=3, help="steps before the profiler records")

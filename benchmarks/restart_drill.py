@@ -13,7 +13,6 @@ it exits 0 after the intended failure and a resume. A restart that fails does so
 which attempt's keys the restarted workers read first), so one run proves little: count passes over many.
 """
 
-import argparse
 import ast
 import os
 import re
@@ -24,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.cli import argument_parser
 from common.launch import REPO
 
 SOLUTION = REPO / "solutions" / "05_multi_node.py"
@@ -145,9 +145,7 @@ def main(args) -> int:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument(
         "--without-variable",

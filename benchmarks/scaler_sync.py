@@ -21,7 +21,6 @@ queueing the next step's work while the device is still busy. On a CPU the forwa
 there, lesson 05): the scaler's calls are the same whatever the forward's dtype.
 """
 
-import argparse
 import statistics
 import time
 from contextlib import contextmanager
@@ -29,7 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from common.cli import positive_int
+from common.cli import argument_parser, positive_int
 from common.metrics import synchronize
 from common.models import MODELS
 
@@ -37,9 +36,7 @@ VARIANTS = ("no skip count", "get_scale after update", "get_scale before and aft
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if there is a GPU, else cpu")
     parser.add_argument("--model", choices=list(MODELS), default="lenet")
     parser.add_argument("--batch-size", type=positive_int, default=64)
