@@ -14,10 +14,13 @@ every rank. They are for learning and measuring, not for training: NCCL and gloo
   one collective per parameter.
 - ``AllReduceCounter``: a DDP communication hook that counts the allreduces DDP makes, and their bytes.
 - ``count_messages``: counts the point-to-point messages (and bytes) one rank sends and receives in a block.
+- ``all_gather_into``, ``reduce_scatter_into``: the two collectives of sharding, under any PyTorch's name.
+- ``count_collectives``: records the collectives one rank starts in a block: which, how many bytes, when.
 """
 
+import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -185,6 +188,99 @@ def count_messages():
         setattr(dist, name, counting(name, original))
     try:
         yield count
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+    """All-gather every rank's equal-sized ``shard`` into ``output`` (rank 0's first): ``dist.all_gather_single``.
+
+    PyTorch 2.14 renamed ``all_gather_into_tensor`` to ``all_gather_single`` and deprecated the old name; older
+    versions (the GPU machine's 2.11, say) may have only the old one. Looked up at each call, so that
+    ``count_collectives`` sees it.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, shard, async_op=async_op)
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    """Sum ``input`` over ranks and leave rank r's r-th equal chunk of the sum in ``output``:
+    ``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` before PyTorch 2.14; see ``all_gather_into``)."""
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return reduce_scatter(output, input, async_op=async_op)
+
+
+# The tensor whose size a collective's bytes are counted from: the one it reduces, broadcasts or gathers in full.
+COUNTED_COLLECTIVES = {
+    "all_reduce": lambda tensor, *args, **kwargs: [tensor],
+    "broadcast": lambda tensor, *args, **kwargs: [tensor],
+    "reduce_scatter_single": lambda output, input, *args, **kwargs: [input],  # the whole, before scattering
+    "all_gather_single": lambda output, input, *args, **kwargs: [output],  # the whole, once gathered
+    "reduce_scatter_tensor": lambda output, input, *args, **kwargs: [input],  # their names before PyTorch 2.14
+    "all_gather_into_tensor": lambda output, input, *args, **kwargs: [output],
+    "all_gather": lambda tensor_list, tensor, *args, **kwargs: tensor_list,
+    "reduce_scatter": lambda output, input_list, *args, **kwargs: input_list,
+}
+
+
+@dataclass
+class CollectiveCall:
+    """One collective a rank started: its name in ``torch.distributed``, the bytes of the whole tensor it works on
+    (the all-reduced or broadcast tensor, the reduce-scattered input, the all-gathered output), whether it was
+    started asynchronously, and when (``time.perf_counter()`` at the call)."""
+
+    name: str
+    bytes: int
+    async_op: bool
+    started: float
+
+
+@dataclass
+class CollectiveLog:
+    """The collectives a rank started inside ``count_collectives``, in order."""
+
+    calls: list[CollectiveCall] = field(default_factory=list)
+
+    def count(self, name: str | None = None) -> int:
+        """How many calls of collective ``name`` (all of them with ``None``)."""
+        return sum(1 for call in self.calls if name in (None, call.name))
+
+    def bytes(self, name: str | None = None) -> int:
+        """The bytes of the calls of collective ``name`` (all of them with ``None``), added up."""
+        return sum(call.bytes for call in self.calls if name in (None, call.name))
+
+
+@contextmanager
+def count_collectives():
+    """Record every collective of ``COUNTED_COLLECTIVES`` this rank starts inside the block.
+
+        with count_collectives() as log:
+            loss.backward()
+            net.finish_gradient_synchronization()
+        log.count("all_reduce"), log.bytes("all_reduce"), log.calls[0].started
+
+    Like ``count_messages``, it wraps the functions of ``torch.distributed`` for the duration of the block: it sees
+    the calls that Python code makes through ``dist.<name>`` (this course's hand-built DDP and ZeRO, and FSDP2's
+    own collectives), not those that ``DistributedDataParallel``'s C++ reducer makes: count those with
+    ``AllReduceCounter``.
+    """
+    log = CollectiveLog()
+    originals = {name: getattr(dist, name) for name in COUNTED_COLLECTIVES if hasattr(dist, name)}
+
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            tensors = COUNTED_COLLECTIVES[name](*args, **kwargs)
+            size = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+            log.calls.append(CollectiveCall(name, size, bool(kwargs.get("async_op", False)), time.perf_counter()))
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(name, original))
+    try:
+        yield log
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
