@@ -28,4 +28,6 @@ What a lesson builds or shows:
   checkpoints, full state-dict export, and lesson 06's measurements (the sharding itself is in the solution).
 - ``common.fault_tolerance`` (07): numbered, verified checkpoints for restarts, the newest valid one, RNG states.
 - ``common.debugging`` (07): collectives that ranks get wrong, and what ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` says.
+- ``common.ddp_by_hand`` (08): DDP built by hand: naive, overlapped with gradient hooks, bucketed.
+- ``common.zero_by_hand`` (08): ZeRO built by hand: sharded optimizer state (1), gradients (2), parameters (3).
 """
