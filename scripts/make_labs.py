@@ -8,11 +8,15 @@ A solution marks such a part with two comment lines, indented like the code betw
     # END LAB
 
 In the lab the code becomes ``# TODO: what to write``, the hints, and ``raise NotImplementedError``. A marked
-part that holds only ``from MODULE import NAME`` lines asks for the function NAME itself: the lab leaves out the
-import and gets, after its imports, a stub with MODULE's signature and docstring, and imports what the finished
-function uses (end such an import with ``# isort: skip``, so that sorting imports leaves it between its markers).
-The lab's docstring gets a "YOUR TASK" paragraph that lists the parts. In the solution the markers are comments,
-and the code runs as it is.
+part that holds only ``from MODULE import NAME`` lines asks for NAME itself (end such an import with
+``# isort: skip``, so that sorting imports leaves it between its markers). The lab leaves out the import and gets,
+after its imports, NAME's definition and imports of what the finished definition uses:
+- a function becomes a stub: MODULE's signature and docstring, then the TODO (the import part's title and hints);
+- a class, or a function that marks parts of its own inside MODULE (with the same markers), is copied whole from
+  MODULE, each of those parts taken out as above; the task list names each "in ``Class.method``: title".
+Definitions from one module keep MODULE's order, so that a class comes after the classes it uses.
+The lab's docstring gets a "YOUR TASK" paragraph that lists the parts. In the solution and in MODULE the markers
+are comments, and the code runs as it is.
 
     python scripts/make_labs.py          # write labs/NN_name.py for every marked solutions/NN_name.py
     python scripts/make_labs.py --check  # exit 1, naming the files, if labs/ differs from what it would write
@@ -25,41 +29,26 @@ import re
 import sys
 import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 BEGIN = re.compile(r"^(?P<indent> *)# BEGIN LAB: (?P<title>.+)$")
 END = re.compile(r"^ *# END LAB$")
 
 
+class Definition(NamedTuple):
+    """A function or class that a marked import asks for, as the lab gets it: a stub or a copy with its parts taken
+    out."""
+
+    module: str
+    name: str
+    lineno: int  # where it starts in ``module``: the lab keeps that order, so a class follows the ones it uses
+    lines: list[str]
+
+
 def make_lab(solution: Path) -> str | None:
     """The text of the lab generated from ``solution``, or ``None`` when it marks no part."""
-    body, tasks, stubs = [], [], []
-    lines = iter(enumerate(solution.read_text().splitlines(), start=1))
-    for number, line in lines:
-        begin = BEGIN.match(line)
-        if not begin:
-            body.append(line)
-            continue
-        indent, title = begin["indent"], begin["title"]
-        hints, code = [], []
-        for number, line in lines:
-            if END.match(line):
-                break
-            (hints if not code and line.startswith(f"{indent}#") else code).append(line)
-        else:
-            raise SyntaxError(f"{solution.name}:{number}: BEGIN LAB without END LAB")
-        imports = ast.parse(textwrap.dedent("\n".join(code))).body
-        if imports and all(isinstance(node, ast.ImportFrom) for node in imports):
-            stubs += [
-                (node.module, alias.name, title, [hint.strip() for hint in hints])
-                for node in imports
-                for alias in node.names
-            ]
-            tasks += [f"``{alias.name}``: {title}" for node in imports for alias in node.names]
-        else:
-            message = json.dumps(f"TODO: {title}")
-            body += [f"{indent}# TODO: {title}", *hints, f"{indent}raise NotImplementedError({message})"]
-            tasks.append(f"in ``{enclosing_function(body)}``: {title}")
+    body, tasks, definitions = take_out_parts(solution.read_text().splitlines(), solution.name)
     if not tasks:
         return None
     blank = body.index("")  # the end of the docstring's first paragraph
@@ -71,7 +60,8 @@ def make_lab(solution: Path) -> str | None:
         f"    LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_{solution.stem}.py",
         "",
     ]
-    if stubs:
+    if definitions:
+        definitions.sort(key=lambda each: (each.module, each.lineno))
         tree = ast.parse("\n".join(body))
         after_imports = max(node.end_lineno for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)))
         bound = {
@@ -82,10 +72,10 @@ def make_lab(solution: Path) -> str | None:
         }
         rest = after_imports
         while rest < len(body) and not body[rest]:
-            rest += 1  # the blank lines after the imports: two go after the stubs instead
+            rest += 1  # the blank lines after the imports: two go after the definitions instead
         body[after_imports:rest] = [
-            *imports_for(stubs, bound),
-            *(line for each in stubs for line in ("", "", *stub(*each))),
+            *imports_for(definitions, bound),
+            *(line for each in definitions for line in ("", "", *each.lines)),
             "",
             "",
         ]
@@ -98,13 +88,75 @@ def make_lab(solution: Path) -> str | None:
     return lab
 
 
+def take_out_parts(lines: list[str], where: str, start: int = 1) -> tuple[list[str], list[str], list[Definition]]:
+    """``lines`` (of the file ``where``, from line ``start``) with each marked part replaced by its TODO; the parts,
+    as the lab's task list names them; and the definitions that the marked imports among them ask for."""
+    body, tasks, definitions = [], [], []
+    numbered = iter(enumerate(lines, start=start))
+    for number, line in numbered:
+        begin = BEGIN.match(line)
+        if not begin:
+            body.append(line)
+            continue
+        indent, title = begin["indent"], begin["title"]
+        hints, code = [], []
+        for number, line in numbered:
+            if END.match(line):
+                break
+            (hints if not code and line.startswith(f"{indent}#") else code).append(line)
+        else:
+            raise SyntaxError(f"{where}:{number}: BEGIN LAB without END LAB")
+        imports = ast.parse(textwrap.dedent("\n".join(code))).body
+        if imports and all(isinstance(node, ast.ImportFrom) for node in imports):
+            asked = [
+                definition_for(node.module, alias.name, title, [hint.strip() for hint in hints])
+                for node in imports
+                for alias in node.names
+            ]
+            for each, its_tasks in sorted(asked, key=lambda found: (found[0].module, found[0].lineno)):
+                definitions.append(each)
+                tasks += its_tasks
+        else:
+            message = json.dumps(f"TODO: {title}")
+            body += [f"{indent}# TODO: {title}", *hints, f"{indent}raise NotImplementedError({message})"]
+            tasks.append(f"in ``{enclosing_function(body)}``: {title}")
+    return body, tasks, definitions
+
+
+def definition_for(module: str, name: str, title: str, hints: list[str]) -> tuple[Definition, list[str]]:
+    """What the lab gets for ``from module import name`` in a marked part titled ``title``, and the tasks it sets.
+
+    A class, or a function with marked parts of its own, is copied whole with those parts taken out (they name the
+    tasks); any other function becomes a stub that asks for all of it."""
+    lines, tree = source(module)
+    node = definition(tree, name)
+    first = min([node.lineno, *(decorator.lineno for decorator in node.decorator_list)])
+    last = node.end_lineno
+    if last < len(lines) and END.match(lines[last]):
+        last += 1  # a marked part that ends the definition: its END LAB comes after the definition's last code line
+    copied = lines[first - 1 : last]
+    if not isinstance(node, ast.ClassDef) and not any(BEGIN.match(line) for line in copied):
+        return Definition(module, name, first, stub(module, name, title, hints)), [f"``{name}``: {title}"]
+    copied, tasks, nested = take_out_parts(copied, f"{module.replace('.', '/')}.py", start=first)
+    if nested:
+        raise SyntaxError(f"{module}.{name}: a marked import inside a definition that a lab copies")
+    return Definition(module, name, first, copied), tasks
+
+
 def enclosing_function(lines: list[str]) -> str:
-    """The name of the function that the last of ``lines`` is in."""
+    """The name of the function that the last of ``lines`` is in; ``Class.method`` for a method."""
     indent = len(lines[-1]) - len(lines[-1].lstrip())
+    function = None
     for line in reversed(lines):
-        found = re.match(r"^( *)def (\w+)", line)
-        if found and len(found[1]) < indent:
-            return found[2]
+        found = re.match(r"^( *)(def|class) (\w+)", line)
+        if not found or len(found[1]) >= indent:
+            continue
+        if function:  # the def or class that holds the function: a class makes it a method
+            return f"{found[3]}.{function}" if found[2] == "class" else function
+        if found[2] == "def":
+            function, indent = found[3], len(found[1])
+    if function:
+        return function
     raise SyntaxError(f"a marked part outside any function: {lines[-1].strip()!r}")
 
 
@@ -114,15 +166,15 @@ def source(module: str) -> tuple[list[str], ast.Module]:
     return lines, ast.parse("\n".join(lines))
 
 
-def function(tree: ast.Module, name: str) -> ast.FunctionDef:
-    """The top-level function ``name`` of ``tree``."""
-    return next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name)
+def definition(tree: ast.Module, name: str) -> ast.FunctionDef | ast.ClassDef:
+    """The top-level function or class ``name`` of ``tree``."""
+    return next(node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name)
 
 
 def stub(module: str, name: str, title: str, hints: list[str]) -> list[str]:
     """``module.name``'s signature and docstring, then a TODO with ``title`` and ``hints``, and the raise."""
     lines, tree = source(module)
-    node = function(tree, name)
+    node = definition(tree, name)
     docstring = node.body[0]
     if not (isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)):
         raise ValueError(f"{module}.{name} has no docstring to give the lab")
@@ -134,29 +186,31 @@ def stub(module: str, name: str, title: str, hints: list[str]) -> list[str]:
     ]
 
 
-def imports_for(stubs, bound: set[str]) -> list[str]:
-    """Import lines for the names that the finished functions of ``stubs`` use and the lab does not bind yet: their
-    module's own imports of them, and its functions and constants (``from module import name``)."""
+def imports_for(definitions: list[Definition], bound: set[str]) -> list[str]:
+    """Import lines for the names that the finished ``definitions`` use (anywhere: base classes, decorators, bodies)
+    and the lab does not bind yet: their module's own imports of them, and its other functions, classes and
+    constants (``from module import name``)."""
     plain, from_module = set(), {}
-    for module, name, _, _ in stubs:
+    in_lab = bound | {each.name for each in definitions}
+    for module, name, _, _ in definitions:
         _, tree = source(module)
-        used = {node.id for node in ast.walk(function(tree, name)) if isinstance(node, ast.Name)}
+        used = {node.id for node in ast.walk(definition(tree, name)) if isinstance(node, ast.Name)} - in_lab
         for node in tree.body:
             if isinstance(node, ast.Import):
                 plain |= {
                     f"import {alias.name}" + (f" as {alias.asname}" if alias.asname else "")
                     for alias in node.names
-                    if (alias.asname or alias.name.split(".")[0]) in used - bound
+                    if (alias.asname or alias.name.split(".")[0]) in used
                 }
             elif isinstance(node, ast.ImportFrom):
                 for alias in node.names:
-                    if (alias.asname or alias.name) in used - bound:
+                    if (alias.asname or alias.name) in used:
                         from_module.setdefault(node.module, set()).add(alias.name)
             else:  # the module's own functions, classes and constants
                 defined = {getattr(node, "name", None)} | {
                     target.id for target in getattr(node, "targets", []) if isinstance(target, ast.Name)
                 }
-                for each in defined & (used - bound - {name}):
+                for each in defined & used:
                     from_module.setdefault(module, set()).add(each)
     lines = [
         *sorted(plain),

@@ -64,3 +64,64 @@ def double(x):
     assert '    # TODO: double x\n    # Add x to itself.\n    raise NotImplementedError("TODO: double x")\n' in lab
     assert "def parse_size(text: str) -> int:" in lab and 'raise NotImplementedError("TODO: parse_size")' in lab
     assert "from common.cli import UNITS" in lab  # what the finished parse_size uses
+
+
+def test_make_labs_copies_a_class_from_a_marked_import_with_the_parts_it_marks_taken_out(tmp_path, monkeypatch):
+    make_labs = load_script(REPO / "scripts" / "make_labs.py")
+    monkeypatch.setattr(make_labs, "REPO", tmp_path)  # source() reads lab_demo/by_hand.py from here
+    (tmp_path / "lab_demo").mkdir()
+    (tmp_path / "lab_demo" / "by_hand.py").write_text('''"""A module that a lab copies from."""
+
+import math
+
+SCALE = 2
+
+
+def halve(x):
+    """Half of x."""
+    return x / SCALE
+
+
+class Base:
+    """What Doubler builds on."""
+
+    offset = math.pi
+
+
+class Doubler(Base):
+    """Doubles."""
+
+    def forward(self, x):
+        """Twice x."""
+        # BEGIN LAB: double x
+        # Four halves of x.
+        return halve(x) * 4
+        # END LAB
+''')
+    solution = tmp_path / "99_demo.py"
+    solution.write_text('''"""Lab 99: a demo.
+
+More text.
+"""
+
+import sys
+
+# BEGIN LAB: the doubler of lab_demo/by_hand.py
+from lab_demo.by_hand import Doubler, Base  # isort: skip
+# END LAB
+''')
+    lab = make_labs.make_lab(solution)
+    assert "- in ``Doubler.forward``: double x\n" in lab
+    assert "import math\nfrom lab_demo.by_hand import halve\n" in lab  # what the classes use, not the classes
+    assert lab.index("class Base:\n") < lab.index("class Doubler(Base):\n")  # MODULE's order, not the import's
+    assert "    offset = math.pi\n" in lab and '        """Twice x."""\n' in lab
+    assert "return halve(x) * 4" not in lab and "import Doubler" not in lab
+    assert (
+        '        # TODO: double x\n        # Four halves of x.\n        raise NotImplementedError("TODO: double x")\n'
+        in lab
+    )
+    monkeypatch.syspath_prepend(tmp_path)  # the lab runs: it imports halve from lab_demo.by_hand
+    namespace = {}
+    exec(compile(lab, "99_demo.py", "exec"), namespace)
+    with pytest.raises(NotImplementedError, match="TODO: double x"):
+        namespace["Doubler"]().forward(1.0)
