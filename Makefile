@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 READY := $(VENV)/.installed
 
-.PHONY: demo test gpu-check
+.PHONY: demo test test-slow gpu-check
 
 demo: $(READY)
 	$(BIN)/torchrun --standalone --nproc_per_node=2 solutions/01_ddp_basic.py --dataset digits
@@ -14,6 +14,10 @@ test: $(READY)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
+
+# The drills marked slow, which `make test` leaves out (see pyproject.toml): run them before changing labs or tests.
+test-slow: $(READY)
+	$(BIN)/python -m pytest -m slow
 
 # On a GPU machine: runs every solution with NCCL and the GPU benchmarks, writes $(RESULTS)/<gpu-model>/. It sets up
 # nothing and installs nothing from the network: it runs with .venv's Python where .venv exists, else with python3

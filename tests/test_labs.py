@@ -18,6 +18,9 @@ def test_every_lab_has_a_solution_lab_tests_and_todos(name):
     assert "raise NotImplementedError" in (REPO / "labs" / f"{name}.py").read_text()
 
 
+# Slow (a minute and a half for all labs): `make test-slow` runs it. `make test` keeps the quick guards above: every
+# lab has its tests and its TODOs, and is what make_labs writes from the marked solution.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LABS)
 def test_the_starter_still_fails_its_lab_tests(name):
     # -x: the first failure proves the point; running the rest against a starter only costs CI time.
