@@ -176,7 +176,8 @@ def properties(env) -> dict:
 
 
 def ranks(env) -> dict:
-    return {"equivalence": equivalence(env), "properties": properties(env)}
+    timeline = ddp_by_hand.bucket_timeline(env, bucket_cap_mb=0.25, width=256, depth=3, batch_size=16)
+    return {"equivalence": equivalence(env), "properties": properties(env), "timeline": timeline}
 
 
 @pytest.fixture(scope="module")
@@ -305,8 +306,8 @@ def test_the_wrappers_say_what_to_do_without_a_process_group(wrapper):
         wrapper(nn.Linear(2, 2))
 
 
-def test_the_timeline_shows_buckets_all_reduced_while_backward_runs():
-    rank0, _ = run_on_ranks(ddp_by_hand.bucket_timeline, 2, 0.25, 256, 3, 16, timeout=60)
+def test_the_timeline_shows_buckets_all_reduced_while_backward_runs(results):
+    rank0 = results[0]["timeline"]
     assert [bucket["index"] for bucket in rank0["buckets"]] == [0, 1, 2, 3]
     assert rank0["buckets"][0]["started_ms"] < rank0["backward_ms"] <= rank0["finish_ms"]
     for bucket in rank0["buckets"]:
