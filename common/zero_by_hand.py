@@ -1,0 +1,522 @@
+"""ZeRO built by hand: sharded optimizer state (stage 1), gradients (2) and parameters (3).
+
+ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC20, 2020)
+removes the copies of model state that data parallelism keeps on every rank, in three stages; PyTorch's FSDP
+(Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", VLDB 2023) is stage 3. Each
+class here builds one stage from the plain collectives, so that lesson 08 can check it against PyTorch's own
+(``ZeroRedundancyOptimizer``, FSDP2's ``fully_shard``) and count what it sends:
+
+- ``partition_by_size``: whole tensors shared out among ranks, balanced by size (ZeRO-1's rule).
+- ``ZeRO1Optimizer`` (stage 1): wraps any ``torch.optim`` class; each rank keeps the optimizer state of its share
+  of the parameters, steps its share, and broadcasts the updated values. Used after DDP has averaged gradients.
+- ``ZeRO2Optimizer`` (stage 2): no DDP; the gradients are reduce-scattered, so a rank keeps only its 1/N of the
+  averaged gradients, steps its 1/N of one flat, padded parameter buffer, and all-gathers the result.
+- ``ZeRO3Model`` (stage 3, fully sharded): a rank keeps 1/N of every unit's parameters; a unit is all-gathered
+  just before it computes and freed after; gradients are reduce-scattered to their owners.
+- ``gather_full_parameters``: ZeRO-3's whole parameters by name, for checking and saving.
+- ``model_state_bytes``: what a rank holds of parameters, gradients and optimizer states, under any stage.
+
+Every collective goes through ``dist.broadcast`` or ``common.collectives.all_gather_into`` / ``reduce_scatter_into``,
+looked up at call time, so that ``common.collectives.count_collectives`` sees them all. Gradients are summed, then
+divided by the world size: gloo has no reliable ``ReduceOp.AVG``.
+"""
+
+import math
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common.collectives import all_gather_into, reduce_scatter_into
+from common.ddp_by_hand import broadcast_parameters_and_buffers, require_process_group
+from common.memory import local_bytes, optimizer_state_tensors
+
+
+def partition_by_size(parameters, world_size: int) -> list[list[int]]:
+    """Share whole tensors out among ``world_size`` ranks, balanced by size: ``shares[rank]`` lists the indices
+    (into ``parameters``, ascending) of the tensors that ``rank`` owns.
+
+    Largest first, each to the rank that owns the fewest elements so far (the lowest rank on a tie):
+    ``ZeroRedundancyOptimizer``'s rule (``_partition_parameters`` in
+    ``torch/distributed/optim/zero_redundancy_optimizer.py``), so both give the same shares. Greedy, so the shares
+    are as even as the tensors allow, not equal: one tensor larger than total / N makes its rank the largest.
+    """
+    # BEGIN LAB: share the tensors out, largest first, each to the least-loaded rank
+    # sorted(..., reverse=True) is stable: tensors of equal size keep their order, as in PyTorch's.
+    sizes = [p.numel() for p in parameters]
+    shares, loads = [[] for _ in range(world_size)], [0] * world_size
+    for index in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
+        rank = loads.index(min(loads))  # the first of the least-loaded ranks
+        shares[rank].append(index)
+        loads[rank] += sizes[index]
+    return [sorted(share) for share in shares]
+    # END LAB
+
+
+class ZeRO1Optimizer(torch.optim.Optimizer):
+    """ZeRO stage 1: each rank keeps the optimizer state of its share of the parameters only.
+
+        net = DDP(model)                                   # DDP (or a hand-built one) averages the gradients
+        optimizer = ZeRO1Optimizer(net.parameters(), torch.optim.Adam, lr=1e-3)
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+    ``optimizer_class`` is any ``torch.optim`` class and ``defaults`` its keyword arguments. The trainable
+    parameters are shared out by ``partition_by_size``; each rank builds ``optimizer_class`` on its share alone
+    (``self.optim``, the name ``ZeroRedundancyOptimizer`` uses), so Adam's two states exist for 1/N of the model on
+    each rank. ``step`` steps that share, then every updated parameter is broadcast from its owner: one broadcast
+    per parameter, as ``ZeroRedundancyOptimizer`` does by default. (One flat buffer per owner would send the same
+    bytes in N messages instead; ``ZeRO2Optimizer`` goes further, with one all-gather.) Frozen parameters are in no
+    share: they never change, so there is nothing to step or send.
+
+    It subclasses ``torch.optim.Optimizer`` so that it goes wherever an optimizer goes: LR schedulers change
+    ``param_groups[i]["lr"]`` (which holds every parameter, so ``zero_grad``, inherited, clears all gradients), and
+    ``step`` copies the hyperparameters into the local optimizer's groups before stepping. ``state_dict`` and
+    ``load_state_dict`` are this rank's share (the local optimizer's): save one per rank, or gather them yourself.
+    """
+
+    def __init__(self, params, optimizer_class, **defaults):
+        require_process_group("ZeRO1Optimizer")
+        super().__init__(params, defaults)
+        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        shares = partition_by_size(trainable, dist.get_world_size())
+        owner_of = {index: rank for rank, share in enumerate(shares) for index in share}
+        # owner[p]: the rank that steps p and broadcasts it, in the order of param_groups (the same on every rank)
+        self.owner = {p: owner_of[index] for index, p in enumerate(trainable)}
+        rank = dist.get_rank()
+        local_groups = [
+            {**group, "params": [p for p in group["params"] if self.owner.get(p) == rank]}
+            for group in self.param_groups
+        ]
+        self.optim = optimizer_class(local_groups, **defaults)  # a group may be empty: torch.optim allows it
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            group.update({key: value for key, value in local.items() if key != "params"})  # the class's defaults
+
+    def step(self, closure=None):
+        """Step this rank's share of the parameters, then broadcast each updated parameter from its owner."""
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            local.update({key: value for key, value in group.items() if key != "params"})  # e.g. a scheduler's lr
+        # BEGIN LAB: step my share, then send every updated parameter from its owner to every rank
+        # self.optim holds my share; self.owner maps each parameter to its owner's rank. Start the broadcasts
+        # asynchronously (async_op=True), then wait on every handle before returning.
+        loss = self.optim.step(closure)
+        with torch.no_grad():
+            handles = [dist.broadcast(p.detach(), src=owner, async_op=True) for p, owner in self.owner.items()]
+        for handle in handles:
+            handle.wait()
+        return loss
+        # END LAB
+
+    def state_dict(self):
+        """This rank's share of the optimizer state (the local optimizer's ``state_dict``)."""
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load ``state_dict``'s share of the optimizer state, saved by this rank at the same world size."""
+        self.optim.load_state_dict(state_dict)
+
+
+class FlatShard:
+    """Parameters of the same dtype and device laid end to end in one flat buffer, padded to a multiple of N, and
+    rank r's r-th equal piece of it: DeepSpeed's and FSDP1's flat parameter, used by ZeRO-2 and ZeRO-3.
+
+    ``parameters`` are unique tensors; ``numels`` their sizes; ``shard_numel`` the size of each rank's piece.
+    """
+
+    def __init__(self, parameters: list[torch.Tensor], world_size: int):
+        dtypes = {(p.dtype, p.device) for p in parameters}
+        if len(dtypes) > 1:
+            raise ValueError(f"one flat buffer needs one dtype and device, not {sorted(map(str, dtypes))}")
+        self.dtype, self.device = parameters[0].dtype, parameters[0].device
+        self.shapes = [p.shape for p in parameters]
+        self.numels = [p.numel() for p in parameters]
+        self.world_size = world_size
+        self.shard_numel = math.ceil(sum(self.numels) / world_size)
+        self.padding = self.shard_numel * world_size - sum(self.numels)
+
+    def flatten(self, tensors) -> torch.Tensor:
+        """One padded flat tensor of ``tensors`` (the parameters' shapes; ``None`` is zeros)."""
+        pieces = [
+            torch.zeros(numel, dtype=self.dtype, device=self.device) if t is None else t.reshape(-1)
+            for t, numel in zip(tensors, self.numels)
+        ]
+        return torch.cat([*pieces, torch.zeros(self.padding, dtype=pieces[0].dtype, device=self.device)])
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The parameters as views into ``flat`` (one ``split``: its backward is one concatenation)."""
+        pieces = flat.split([*self.numels, self.padding])
+        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
+
+    def piece(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s piece of ``flat`` (a view)."""
+        return flat[rank * self.shard_numel : (rank + 1) * self.shard_numel]
+
+
+class ZeRO2Optimizer(torch.optim.Optimizer):
+    """ZeRO stage 2: optimizer states and gradients sharded; every rank keeps the whole parameters.
+
+        optimizer = ZeRO2Optimizer(model, torch.optim.Adam, lr=1e-3)   # no DDP around the model
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+    At construction rank 0's parameters and buffers are broadcast, and the module's trainable parameters become
+    views into one flat buffer, padded to a multiple of N and cut into N equal contiguous pieces: rank r's piece,
+    ``self.shard``, is the parameter the local optimizer (``self.optim``) steps, in place, so it costs no copy.
+    ``step`` flattens the gradients (freeing each ``.grad`` as it goes), reduce-scatters them with one collective, so
+    each rank receives the sum of its piece only, divides by N, steps its piece, and all-gathers the updated pieces
+    into the flat buffer, which every parameter views: one reduce-scatter of all gradient bytes and one all-gather of
+    all parameter bytes per step, where DDP's all-reduce costs both (an all-reduce is a reduce-scatter followed by an
+    all-gather). DeepSpeed starts the reduce-scatters bucket by bucket during backward; here the whole gradient
+    exists until ``step``, which is simpler and has the same traffic but a higher peak.
+
+    Flat pieces need an element-wise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad...: torch.optim's common ones),
+    since a piece holds parts of several parameters and the parts of one parameter lie on several ranks: an optimizer
+    that looks at a whole tensor (a norm for LAMB's or LARS's trust ratio, Adafactor's row and column factors, Muon's
+    orthogonalization) would see the wrong tensor. A parameter that receives no gradient in a step gets zeros in
+    the flat buffer, as in DeepSpeed and FSDP1: plain SGD leaves it alone, but momentum or Adam's moments still move
+    it, unlike a plain optimizer, which skips a ``None`` gradient. Frozen parameters are left out and stay as they
+    are. A subclass of ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the local optimizer's, so an
+    LR scheduler's change reaches it; ``state_dict`` is this rank's piece's.
+    """
+
+    def __init__(self, module: nn.Module, optimizer_class, **defaults):
+        require_process_group("ZeRO2Optimizer")
+        self.module, self.world_size, self.rank = module, dist.get_world_size(), dist.get_rank()
+        broadcast_parameters_and_buffers(module)  # the same start on every rank, as DDP
+        self.parameters = [p for p in module.parameters() if p.requires_grad]  # unique: tied ones once
+        self.layout = FlatShard(self.parameters, self.world_size)
+        with torch.no_grad():
+            self.flat = self.layout.flatten(self.parameters)
+            for p, view in zip(self.parameters, self.layout.views(self.flat)):
+                p.data = view  # the module's parameters now live in the flat buffer
+        self.shard = nn.Parameter(self.layout.piece(self.flat, self.rank))  # a view: stepping it writes flat
+        self.optim = optimizer_class([self.shard], **defaults)
+        super().__init__([self.shard], self.optim.defaults)
+        self.param_groups, self.state = self.optim.param_groups, self.optim.state  # one object, two names
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Reduce-scatter the gradients, step this rank's piece, all-gather the pieces into every parameter."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        flat_grad = self.flat.new_zeros(self.flat.numel())  # padding and missing gradients stay zero
+        for p, view in zip(self.parameters, self.layout.views(flat_grad)):
+            if p.grad is not None:
+                view.copy_(p.grad)
+                p.grad = None  # the whole gradient is freed as soon as it is in the flat buffer
+        grad_shard = torch.empty_like(self.shard)
+        reduce_scatter_into(grad_shard, flat_grad)  # each rank receives the sum of its own piece only
+        del flat_grad
+        self.shard.grad = grad_shard.div_(self.world_size)
+        self.optim.step()
+        all_gather_into(self.flat, self.shard.detach().clone())  # a copy: the input must not alias the output
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the whole gradients (left by a backward without a step) and this rank's gradient piece."""
+        for p in self.parameters:
+            p.grad = None
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        """This rank's piece of the optimizer state (the local optimizer's ``state_dict``)."""
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load ``state_dict``'s piece of the optimizer state, saved by this rank at the same world size."""
+        self.optim.load_state_dict(state_dict)
+
+
+class ShardedUnit:
+    """One communication unit of ``ZeRO3Model``: its trainable parameters as a ``FlatShard``, this rank's fp32 piece
+    (``shard``, a ``nn.Parameter``), and where each parameter lives in the module (``slots``: module and attribute,
+    several for a tied parameter), so that gathered views can be put there and taken away again."""
+
+    def __init__(self, name: str, parameters, slots, names, compute_dtype, world_size: int, rank: int):
+        self.name, self.slots, self.names = name, slots, names
+        self.layout = FlatShard(parameters, world_size)
+        self.world_size, self.compute_dtype = world_size, compute_dtype
+        with torch.no_grad():
+            flat = self.layout.flatten(parameters)
+            self.shard = nn.Parameter(self.layout.piece(flat, rank).clone())  # the master piece, full precision
+        # between gathers a parameter is a meta tensor: its shape, and no memory
+        self.freed = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parameters]
+
+    def put(self, tensors) -> None:
+        """Make ``tensors`` the module's parameters (plain attributes: the ``nn.Parameter`` s are gone)."""
+        for tensor, slots in zip(tensors, self.slots):
+            for module, attribute in slots:
+                setattr(module, attribute, tensor)
+
+    def gather(self) -> torch.Tensor:
+        """All-gather the whole flat buffer, in the compute dtype (a bf16 gather sends half the bytes)."""
+        dtype = self.compute_dtype or self.shard.dtype
+        full = torch.empty(self.layout.shard_numel * self.world_size, dtype=dtype, device=self.shard.device)
+        all_gather_into(full, self.shard.detach().to(dtype))
+        return full
+
+    def reduce_scatter(self, flat_grad: torch.Tensor | None) -> torch.Tensor:
+        """This rank's piece of the gradient averaged over ranks, in the shard's dtype (fp32: one reduce-scatter)."""
+        if flat_grad is None:  # no parameter of the unit took part: zeros, so that every rank still joins in
+            flat_grad = torch.zeros(self.layout.shard_numel * self.world_size, device=self.shard.device)
+        grad = torch.empty_like(self.shard)
+        reduce_scatter_into(grad, flat_grad.to(self.shard.dtype).contiguous())
+        return grad.div_(self.world_size)
+
+
+class _GatheredUnitFunction(torch.autograd.Function):
+    """A unit's forward between an all-gather and a free; its backward gathers again, recomputes, reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, unit, run, kwargs, shard, *args):
+        ctx.unit, ctx.run, ctx.kwargs = unit, run, kwargs
+        ctx.rng = _rng_state(shard.device)  # the recompute must draw the same dropout masks
+        ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
+        unit.put(unit.layout.views(unit.gather()))
+        try:
+            return run(*args, **kwargs)  # autograd records nothing inside a Function's forward
+        finally:
+            unit.put(unit.freed)  # the gathered buffer is freed here; only the shard remains
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        unit, args = ctx.unit, list(ctx.others)
+        needs_grad = [ctx.needs_input_grad[4 + position] for position in ctx.tensor_positions]
+        inputs = [t.detach().requires_grad_(needed) for t, needed in zip(ctx.saved_tensors, needs_grad)]
+        for position, tensor in zip(ctx.tensor_positions, inputs):
+            args[position] = tensor
+        full = unit.gather().requires_grad_()  # gathered again: the forward freed it
+        with torch.enable_grad(), _replayed_rng(ctx.rng, full.device):
+            unit.put(unit.layout.views(full))
+            outputs = ctx.run(*args, **ctx.kwargs)  # the recompute (activation checkpointing)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
+        wanted = [full, *(t for t in inputs if t.requires_grad)]
+        grads = list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+        unit.put(unit.freed)
+        grad_shard = unit.reduce_scatter(grads.pop(0))  # autograd adds it into shard.grad: accumulation works
+        input_grads = [grads.pop(0) if t.requires_grad else None for t in inputs]
+        all_grads = [None] * len(args)
+        for position, grad in zip(ctx.tensor_positions, input_grads):
+            all_grads[position] = grad
+        return None, None, None, grad_shard, *all_grads
+
+
+class _GatheredRootFunction(torch.autograd.Function):
+    """The root unit: gathered once at the start of forward, kept for the whole step, reduce-scattered at the end
+    of backward (the root's gradient is complete only when backward has gone through everything)."""
+
+    @staticmethod
+    def forward(ctx, unit, shard):
+        ctx.unit = unit
+        return unit.gather()
+
+    @staticmethod
+    def backward(ctx, flat_grad):
+        ctx.unit.put(ctx.unit.freed)
+        return None, ctx.unit.reduce_scatter(flat_grad)
+
+
+def _rng_state(device: torch.device):
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextmanager
+def _replayed_rng(state, device: torch.device):
+    """Run a block with the random number generators as ``_rng_state`` saved them; restore them after."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+def _default_units(module: nn.Module) -> list[nn.Module]:
+    """The module's children that have parameters; containers (``ModuleList``, ``ModuleDict``), which have no
+    forward to wrap, give their children instead."""
+    units = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            units += _default_units(child)
+        elif any(True for _ in child.parameters()):
+            units.append(child)
+    return units
+
+
+class ZeRO3Model(nn.Module):
+    """ZeRO stage 3, fully sharded: each rank keeps 1/N of every parameter, of its gradient and of its optimizer
+    states; a unit's whole parameters exist only while it computes.
+
+        net = ZeRO3Model(model, units=list(model.blocks))     # rank 0's parameters, cut into shards
+        optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)   # AFTER wrapping: it must see the shards
+        loss = F.cross_entropy(net(X), y); loss.backward(); optimizer.step()
+
+    ``units`` (default: the module's children that have parameters, a ``ModuleList``'s items one by one) are the
+    modules gathered one at a time; the trainable parameters outside them form the root unit. Each unit's trainable
+    parameters are laid end to end in a padded flat buffer (``FlatShard``) of which each rank keeps its 1/N, an fp32
+    ``nn.Parameter``; the original ``nn.Parameter`` s leave the module, so ``parameters()`` yields the shards (and
+    the frozen parameters, which stay whole and unsharded), and the optimizer must be built after wrapping, with an
+    element-wise ``torch.optim`` class (see ``ZeRO2Optimizer`` for why), as under FSDP2.
+
+    A unit's forward runs inside a ``torch.autograd.Function``: it all-gathers the unit, puts views of the gathered
+    buffer where the parameters were, runs the unit without recording a graph, and frees the buffer. Its backward
+    all-gathers again, **recomputes the unit's forward** with autograd on, backpropagates through it, and
+    reduce-scatters the flat gradient (in fp32, divided by N): each rank receives its piece, which autograd adds
+    into the shard's ``.grad``. Recomputing is activation checkpointing: it keeps only each unit's inputs, and costs
+    one more forward of every unit per step (about a third more compute for a Linear stack). FSDP does not
+    recompute: it keeps the gathered parameter tensors that autograd saved, frees their *storage* after forward
+    (``free_storage``, ``storage.resize_(0)``, in ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``; FSDP1's
+    ``_free_storage`` in ``_flat_param.py``) and refills the same storage before backward (``alloc_storage``), so
+    autograd finds its saved weights again. That needs the autograd graph to hold the same tensor objects, which a
+    plain autograd Function cannot arrange without those storage tricks.
+
+    The root unit (the parameters outside ``units``, tied parameters among them) is gathered once at the start of
+    forward and kept until the end of its backward, as FSDP2 keeps its root (``fully_shard``'s
+    ``reshard_after_forward`` is ``False`` for the root by default: backward starts with the root's last layers, so
+    freeing them would only gather them again at once); its activations are kept, not recomputed. A forward under
+    ``torch.no_grad()`` (evaluation) frees the root at once. Per training step: all-gathers = 1 (root) + 2 per unit,
+    reduce-scatters = 1 per unit, the root included.
+
+    ``compute_dtype`` (``torch.bfloat16`` or ``torch.float16``): the gathered weights, hence forward and backward,
+    are in that dtype (half the all-gather bytes), and each unit's floating-point inputs are cast to it (FSDP2's
+    ``cast_forward_inputs``); the shards stay fp32 (the master weights) and the gradients are reduce-scattered in
+    fp32; frozen parameters are stored in it, whole (never stepped, they need no master copy).
+
+    A parameter shared by two units is a ``ValueError``: put the modules that share it into one unit, or leave them
+    out of ``units`` (the root unit then holds it). Units take tensors as positional arguments (non-tensor keywords
+    are fine) and return a tensor or a tuple of tensors; a unit with BatchNorm would update its running statistics
+    twice per step (the recompute), as under ``torch.utils.checkpoint``. Under ``compute_dtype`` the model's output
+    is in that dtype too (FSDP2's default ``output_dtype``).
+    """
+
+    def __init__(self, module: nn.Module, units=None, compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        require_process_group("ZeRO3Model")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        broadcast_parameters_and_buffers(module)  # every shard cut from the same model
+        self.module, self.compute_dtype = module, compute_dtype
+        units = _default_units(module) if units is None else list(units)
+        unit_names = _unit_names(module, units)
+        # Who owns each trainable parameter: the unit whose subtree registers it ("" for the root), everywhere.
+        owners, slots, names = {}, {}, {}
+        for path, submodule in module.named_modules(remove_duplicate=False):
+            owner = next((name for name in unit_names if path == name or path.startswith(name + ".")), "")
+            for attribute, p in submodule._parameters.items():
+                if p is None or not p.requires_grad:
+                    continue  # frozen parameters stay whole, where they are
+                owners.setdefault(p, set()).add(owner)
+                if (submodule, attribute) not in slots.setdefault(p, []):  # a module reached by two paths: once
+                    slots[p].append((submodule, attribute))
+                names.setdefault(p, f"{path}.{attribute}" if path else attribute)
+        for p, found in owners.items():
+            if len(found) > 1:
+                places = ", ".join(sorted(f"unit {name!r}" if name else "the root" for name in found))
+                raise ValueError(
+                    f"parameter {names[p]!r} is shared by {places}: put the modules that share it into one unit, or "
+                    "leave them out of `units`, so that it belongs to the root unit (gathered from forward to backward)"
+                )
+        self.parameter_names = [name for name, _ in module.named_parameters()]  # for gather_full_parameters
+        if compute_dtype is not None:  # frozen parameters are never stepped: stored in the compute dtype, no master
+            for p in module.parameters():
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(compute_dtype)
+        self.units = []
+        for name in [*unit_names, ""]:  # the root unit last
+            params = [p for p in owners if owners[p] == {name}]
+            if not params:
+                continue
+            self.units.append(
+                ShardedUnit(
+                    name,
+                    params,
+                    [slots[p] for p in params],
+                    [names[p] for p in params],
+                    compute_dtype,
+                    world_size,
+                    rank,
+                )  # fmt: skip
+            )
+            for p in params:
+                for submodule, attribute in slots[p]:
+                    del submodule._parameters[attribute]
+            self.units[-1].put(self.units[-1].freed)  # plain attributes now, not parameters
+        self.shards = nn.ParameterList(unit.shard for unit in self.units)  # what parameters() yields
+        self.root = self.units[-1] if self.units and self.units[-1].name == "" else None
+        for unit in self.units:
+            if unit is not self.root:
+                submodule = module.get_submodule(unit.name)
+                submodule.forward = partial(self._unit_forward, unit, submodule.forward)
+
+    def _unit_forward(self, unit: ShardedUnit, run, *args, **kwargs):
+        if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
+            raise TypeError(f"unit {unit.name!r}: pass tensors as positional arguments, so that they get gradients")
+        return _GatheredUnitFunction.apply(unit, run, kwargs, unit.shard, *self._cast(args))
+
+    def _cast(self, args):
+        if self.compute_dtype is None:
+            return args
+        return tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+    def forward(self, *args, **kwargs):
+        """Gather the root unit (kept until its backward), then run the module; each unit gathers itself."""
+        args = self._cast(args)
+        if self.root is None:
+            return self.module(*args, **kwargs)
+        self.root.put(self.root.layout.views(_GatheredRootFunction.apply(self.root, self.root.shard)))
+        output = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            self.root.put(self.root.freed)  # no backward will come to free it
+        return output
+
+
+def _unit_names(module: nn.Module, units) -> list[str]:
+    """The path of each unit in ``module``; a ``ValueError`` for a unit that is not in it, in it twice, or inside
+    another unit."""
+    paths = {}
+    for path, submodule in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(submodule), []).append(path)
+    names = []
+    for unit in units:
+        found = paths.get(id(unit), [])
+        if len(found) != 1 or found[0] == "":
+            raise ValueError(
+                f"each unit must be a submodule of the model, in it once; {type(unit).__name__} is at {found}"
+            )
+        names.append(found[0])
+    for name in names:
+        if any(name.startswith(other + ".") for other in names):
+            raise ValueError(f"unit {name!r} is inside another unit: units must not nest")
+    return names
+
+
+@torch.no_grad()
+def gather_full_parameters(model: ZeRO3Model) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model.module`` whole, by its name in the original module (``named_parameters``' names
+    and order; a tied parameter once), for checking and saving. All-gathers: call on every rank."""
+    gathered = {}
+    for unit in model.units:
+        full = torch.empty(unit.layout.shard_numel * unit.layout.world_size, dtype=unit.shard.dtype,
+                           device=unit.shard.device)  # fmt: skip
+        all_gather_into(full, unit.shard.detach())  # the fp32 master pieces, whatever the compute dtype
+        gathered.update(zip(unit.names, unit.layout.views(full)))
+    gathered.update((name, p.detach()) for name, p in model.module.named_parameters())  # the frozen ones, whole
+    return {name: gathered[name] for name in model.parameter_names}
+
+
+def model_state_bytes(net: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """What this rank holds right now, in bytes: ``{"parameters", "gradients", "optimizer", "total"}``, under any
+    stage here (and DDP): the parameters and gradients of ``net`` and of the local optimizer's parameters (ZeRO-2's
+    gradient piece lives there), each tensor once; the optimizer states of this rank (``self.optim``'s)."""
+    local = getattr(optimizer, "optim", optimizer)
+    stepped = [p for group in local.param_groups for p in group["params"]]  # ZeRO-2's piece: a view, not counted
+    gradients = {id(p.grad): p.grad for p in [*net.parameters(), *stepped] if p.grad is not None}
+    figures = {
+        "parameters": local_bytes(net.parameters()),
+        "gradients": local_bytes(gradients.values()),
+        "optimizer": local_bytes(optimizer_state_tensors(optimizer)),
+    }
+    return {**figures, "total": sum(figures.values())}
