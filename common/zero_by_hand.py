@@ -386,6 +386,12 @@ class ZeRO3Model(nn.Module):
     ``cast_forward_inputs``); the shards stay fp32 (the master weights) and the gradients are reduce-scattered in
     fp32; frozen parameters are stored in it, whole (never stepped, they need no master copy).
 
+    A parameter that receives no gradient in a step, on some ranks or on all, gets zeros in its unit's flat gradient
+    (as in ``ZeRO2Optimizer``: momentum or Adam's moments still move it) when the unit ran forward and backward; a
+    unit that no rank ran leaves its shard's ``.grad`` at ``None``, and the optimizer skips the shard, as one
+    process skips a parameter with no gradient. Every rank must run each unit the same number of times: a gather
+    or reduce-scatter that one rank starts and another does not hangs them both, as under FSDP.
+
     A parameter shared by two units is a ``ValueError``: put the modules that share it into one unit, or leave them
     out of ``units`` (the root unit then holds it). Units take tensors as positional arguments (non-tensor keywords
     are fine) and return a tensor or a tuple of tensors; a unit with BatchNorm would update its running statistics

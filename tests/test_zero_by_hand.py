@@ -2,7 +2,8 @@
 
 Two process groups in all: world size 2 trains every stage side by side (and PyTorch's ZeroRedundancyOptimizer and
 FSDP2 on the same data), counts one step's collectives and measures memory; world size 4 measures memory and
-checks the stages again. Each returns many figures; the tests below only assert.
+checks the stages again. World size 2 also trains GatedNet, whose parameters go unused by every rank or by all
+but rank 0, under every stage. Each returns many figures; the tests below only assert.
 """
 
 import math
@@ -16,6 +17,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.collectives import count_collectives
+from common.ddp_by_hand import BucketedDDP
 from common.fsdp import full_parameters
 from common.launch import run_on_ranks
 from common.models import DeepMLP
@@ -137,6 +139,109 @@ def big_model_state(env, stage):
     return model_state_bytes(net, optimizer)
 
 
+class GatedNet(nn.Module):
+    """A net in which parameters go unused: ``idle`` (in the root) and ``block.idle`` serve only the first step
+    (``everything=True``), and so does the unit ``spare``; ``block.extra`` serves only the rows whose ``flag`` is 1,
+    which all lie on rank 0. After the first step, then, no rank uses ``idle``, ``block.idle`` or ``spare``, and
+    only rank 0 uses ``block.extra``. They are used once first so that momentum and Adam have something to move them
+    with: with no history, a zero gradient and a skipped step leave a parameter alike."""
+
+    def __init__(self, width: int = 5):
+        super().__init__()
+        self.stem, self.idle, self.head = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
+        self.block, self.spare = GatedBlock(width), nn.Linear(width, width)
+
+    def forward(self, X, flag, everything=False):
+        X = torch.tanh(self.stem(X))
+        if everything:
+            X = torch.tanh(self.idle(X) + self.spare(X))
+        return self.head(self.block(X, flag, everything=everything))
+
+
+class GatedBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.main, self.extra, self.idle = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, X, flag, everything=False):
+        out = self.main(X)
+        if everything:
+            return torch.tanh(out + self.extra(X) + self.idle(X))
+        if flag.any():  # a rank with no flagged row never touches extra: its gradient there is None
+            out = out + flag[:, None] * self.extra(X)
+        return torch.tanh(out)
+
+
+NO_RANK = ("idle.weight", "idle.bias", "block.idle.weight", "block.idle.bias", "spare.weight", "spare.bias")
+RANK_0_ONLY = ("block.extra.weight", "block.extra.bias")
+GATED_OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": LR}),
+}
+
+
+def gated_net():
+    torch.manual_seed(0)
+    return GatedNet()
+
+
+def gated_batches(env, world_size=2):
+    """The global batches with a flag column: 1 on the rows that rank 0 takes (rows 0, N, 2N...); this rank's share."""
+    flag = (torch.arange(BATCH) % world_size == 0).float()
+    data = [(X, flag, y) for X, y in batches(None)]
+    if env is None:
+        return data
+    return [(X[env.rank :: world_size], flag[env.rank :: world_size], y[env.rank :: world_size]) for X, flag, y in data]
+
+
+def train_gated(net, optimizer, data, first_step=0, zero_fill=(), sync=None):
+    """Step 0 with everything used, the later ones with the gates; ``zero_fill``: the names whose missing gradient
+    becomes zeros before each step (what one process must do to match a flat buffer); ``sync``: DDP's wait."""
+    named = dict(net.named_parameters())
+    for step, (X, flag, y) in enumerate(data, first_step):
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(net(X, flag, everything=step == 0), y).backward()
+        if sync is not None:
+            sync()
+        for name in zero_fill:
+            if named[name].grad is None:
+                named[name].grad = torch.zeros_like(named[name])
+        optimizer.step()
+
+
+def gated_parameters(net, model):
+    """Every parameter whole, by name (ZeRO-3's gathered from the shards)."""
+    if isinstance(net, ZeRO3Model):
+        return {name: p.clone() for name, p in gather_full_parameters(net).items()}
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def gated_runs(env):
+    """Each stage trains GatedNet with each optimizer; its parameters after the first step and after the last."""
+    results = {}
+    for stage in ("zero1", "zero1_bucketed", "zero2", "zero3"):
+        for key, (optimizer_class, options) in GATED_OPTIMIZERS.items():
+            model, sync = gated_net(), None
+            if stage == "zero3":
+                net = ZeRO3Model(model, units=[model.block, model.spare])
+                optimizer = optimizer_class(net.parameters(), **options)
+            elif stage == "zero2":
+                net = model
+                optimizer = ZeRO2Optimizer(model, optimizer_class, **options)
+            else:
+                wrap = DDP if stage == "zero1" else BucketedDDP  # torch's, and the lesson's own
+                net = wrap(model, find_unused_parameters=True)
+                sync = getattr(net, "finish_gradient_synchronization", None)
+                optimizer = ZeRO1Optimizer(net.parameters(), optimizer_class, **options)
+            data = gated_batches(env)
+            train_gated(net, optimizer, data[:1], sync=sync)
+            first = gated_parameters(net, model)
+            train_gated(net, optimizer, data[1:], first_step=1, sync=sync)
+            results[f"{stage}_{key}"] = {"first": first, "last": gated_parameters(net, model)}
+    return results
+
+
 def every_stage(env):
     results = {"world_size": env.world_size}
     for stage in STAGES:
@@ -166,6 +271,8 @@ def every_stage(env):
     index = {p: i for i, p in enumerate(parameters)}
     torch_shares = ZeroRedundancyOptimizer(parameters, torch.optim.Adam)._partition_parameters()
     results["torch_shares"] = [sorted(index[p] for group in groups for p in group["params"]) for groups in torch_shares]
+    if env.world_size == 2:
+        results["gated"] = gated_runs(env)
     return results
 
 
@@ -296,3 +403,99 @@ def test_a_parameter_shared_by_two_units_is_a_value_error_that_names_it(monkeypa
 def test_without_a_process_group_each_stage_says_it_needs_one(make):
     with pytest.raises(RuntimeError, match="needs a process group"):
         make()
+
+
+def gated_reference(optimizer_class, options, zero_fill):
+    """One process on the whole batch, with the plain optimizer; the ``zero_fill`` names get zeros for None."""
+    net, data = gated_net(), gated_batches(None)
+    optimizer = optimizer_class(net.parameters(), **options)
+    train_gated(net, optimizer, data[:1], zero_fill=zero_fill)
+    first = gated_parameters(net, net)
+    train_gated(net, optimizer, data[1:], first_step=1, zero_fill=zero_fill)
+    return {"first": first, "last": gated_parameters(net, net)}
+
+
+# What each stage does with a gradient that no rank produced: ZeRO-2 fills its whole flat buffer with zeros; ZeRO-3
+# fills the flat buffer of each unit that ran (on every rank: it must), and a unit that no rank ran keeps None, so
+# the optimizer skips its shard; ZeRO-1 steps whatever DDP leaves, and DDP with find_unused_parameters leaves None.
+ALL_NAMES = tuple(name for name, _ in GatedNet().named_parameters())
+ZERO_FILLED = {
+    "zero1": (),
+    "zero1_bucketed": (),
+    "zero2": ALL_NAMES,
+    "zero3": tuple(name for name in ALL_NAMES if not name.startswith("spare.")),
+}
+
+
+@pytest.fixture(scope="module")
+def gated_expected():
+    fills = {"none": (), "zero2": ZERO_FILLED["zero2"], "zero3": ZERO_FILLED["zero3"]}
+    return {
+        (key, fill): gated_reference(optimizer_class, options, names)
+        for key, (optimizer_class, options) in GATED_OPTIMIZERS.items()
+        for fill, names in fills.items()
+    }
+
+
+def assert_close_by_name(actual, expected, names, **tolerances):
+    for name in names:
+        torch.testing.assert_close(actual[name], expected[name], msg=lambda m, name=name: f"{name}: {m}", **tolerances)
+
+
+@pytest.mark.parametrize("stage", ZERO_FILLED)
+def test_a_step_where_a_parameter_is_used_by_no_rank_or_only_rank_0_completes_with_ranks_in_agreement(runs, stage):
+    ranks = [rank["gated"] for rank in runs[2]]  # a hang would have been the spawn's TimeoutError
+    for key in GATED_OPTIMIZERS:
+        assert_close_by_name(ranks[1][f"{stage}_{key}"]["last"], ranks[0][f"{stage}_{key}"]["last"], ALL_NAMES,
+                             rtol=0, atol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["momentum", "adam"])
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_zero2_and_zero3_treat_a_missing_gradient_as_a_zero_gradient(runs, gated_expected, stage, key):
+    expected, skipped = gated_expected[key, stage], gated_expected[key, "none"]
+    moved = [name for name in NO_RANK if name in ZERO_FILLED[stage]]
+    for name in moved:  # the test can fail: here a zero gradient and a skipped step give different parameters
+        assert not torch.allclose(expected["last"][name], skipped["last"][name], rtol=1e-3, atol=1e-4), name
+    for rank in runs[2]:
+        assert_close_by_name(rank["gated"][f"{stage}_{key}"]["last"], expected["last"], ALL_NAMES, rtol=1e-5,
+                             atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["momentum", "adam"])
+def test_zero3_skips_a_unit_that_no_rank_ran_so_momentum_does_not_move_it(runs, gated_expected, key):
+    for rank in runs[2]:
+        result = rank["gated"][f"zero3_{key}"]
+        assert_close_by_name(result["last"], result["first"], ("spare.weight", "spare.bias"), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("key", ["momentum", "adam"])
+@pytest.mark.parametrize("stage", ["zero1", "zero1_bucketed"])
+def test_zero1_under_ddp_with_find_unused_parameters_skips_a_parameter_no_rank_used_as_one_process(
+    runs, gated_expected, stage, key
+):
+    expected = gated_expected[key, "none"]
+    for rank in runs[2]:
+        result = rank["gated"][f"{stage}_{key}"]
+        assert_close_by_name(result["last"], expected["last"], ALL_NAMES, rtol=1e-5, atol=1e-6)
+        assert_close_by_name(result["last"], result["first"], NO_RANK, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", ZERO_FILLED)
+def test_plain_sgd_leaves_a_parameter_that_no_rank_used_unchanged(runs, gated_expected, stage):
+    for rank in runs[2]:
+        result = rank["gated"][f"{stage}_sgd"]
+        assert_close_by_name(result["last"], result["first"], NO_RANK, rtol=0, atol=0)
+        assert_close_by_name(result["last"], gated_expected["sgd", "none"]["last"], ALL_NAMES, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("key", GATED_OPTIMIZERS)
+@pytest.mark.parametrize("stage", ZERO_FILLED)
+def test_a_parameter_used_only_on_rank_0_equals_one_process_averaging_its_gradient_over_all_rows(
+    runs, gated_expected, stage, key
+):
+    expected = gated_expected[key, "none" if stage.startswith("zero1") else stage]
+    for rank in runs[2]:
+        result = rank["gated"][f"{stage}_{key}"]
+        assert not torch.equal(result["last"]["block.extra.weight"], result["first"]["block.extra.weight"])
+        assert_close_by_name(result["last"], expected["last"], RANK_0_ONLY, rtol=1e-5, atol=1e-6)
