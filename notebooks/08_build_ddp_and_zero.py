@@ -1,0 +1,152 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 08: build DDP and ZeRO yourself
+#
+# The companion notebook of `lessons/08_build_ddp_and_zero.md`. The builds live in `common/ddp_by_hand.py` and
+# `common/zero_by_hand.py`; here they run, through `torchrun` subprocesses (the solutions `09_ddp_by_hand.py` and
+# `10_zero_by_hand.py`) and `common.launch.run_on_ranks`, and are measured: the collectives of one step, when each
+# bucket's all-reduce runs against the backward pass, the step time against torch's DDP, and what each rank holds
+# under ZeRO-1, 2 and 3.
+
+# %% tags=["parameters"]
+import os
+
+QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
+MAX_BATCHES = 2 if QUICK else 20  # batches per epoch of the solutions' runs (1 epoch)
+BENCHMARK = ["--width", 256, "--depth", 2, "--steps", 2, "--rounds", 1] if QUICK else []  # benchmarks/ddp_by_hand.py
+# The runs of solutions/09_ddp_by_hand.py (--ddp, options) and 10_zero_by_hand.py (--zero, options, processes);
+# the quick run keeps two of each: every torchrun costs seconds of start-up
+BUILD_RUNS = [
+    ("naive", []),
+    ("overlapped", []),
+    ("bucketed", ["--bucket-cap-mb", "0.05"]),
+    ("bucketed", []),
+    ("torch", []),
+]
+ZERO_RUNS = [(1, [], 2), (2, [], 2), (3, [], 2), (3, ["--compute-dtype", "bf16"], 2), (3, [], 4)]
+if QUICK:
+    BUILD_RUNS = [BUILD_RUNS[0], BUILD_RUNS[2]]  # naive; bucketed with small buckets
+    ZERO_RUNS = [ZERO_RUNS[0], ZERO_RUNS[3]]  # ZeRO-1; ZeRO-3 gathering in bf16
+
+# %%
+import matplotlib.pyplot as plt
+
+from common.ddp_by_hand import assign_buckets, bucket_timeline
+from common.launch import launch, run_on_ranks
+from common.models import LeNet
+
+
+def run(script, *args, nproc=2):
+    """Run a solution on ``nproc`` CPU processes for one short epoch on digits; return what rank 0 printed."""
+    return launch(
+        script, "--dataset", "digits", "--epochs", 1, "--max-batches-per-epoch", MAX_BATCHES, *args, nproc=nproc
+    ).stdout
+
+
+def lines(text, *starts):
+    """The lines of ``text`` that start with one of ``starts`` (the progress bars and the rest left out)."""
+    return "\n".join(line for line in text.splitlines() if line.lstrip().startswith(starts))
+
+
+# %% [markdown]
+# ## The arithmetic: how many messages, how many bytes
+#
+# LeNet has 8 parameter tensors. The naive build all-reduces each gradient on its own: 8 messages per step. A
+# bucketed build sends as many messages as it has buckets, and the same bytes in all: every gradient once.
+# `assign_buckets` applies DDP's rule, in reverse order of `parameters()`, a bucket closing once it reaches the cap:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+parameters = list(LeNet().parameters())
+gradient_bytes = sum(p.numel() * p.element_size() for p in parameters)
+print(f"LeNet: {len(parameters)} tensors, {gradient_bytes:,} bytes of fp32 gradients")
+for cap_bytes in (1_000, 200_000, 25 * 2**20):
+    buckets = assign_buckets(parameters, cap_bytes)
+    sizes = [sum(parameters[i].numel() * 4 for i in bucket) for bucket in buckets]
+    print(f"cap {cap_bytes:>10,} bytes: {len(buckets)} bucket(s), indices {buckets}, bytes {sizes}")
+
+# %% [markdown]
+# ## Four builds, one training
+#
+# `solutions/09_ddp_by_hand.py` trains LeNet on digits with `--ddp naive`, `overlapped`, `bucketed` or `torch`
+# (`DistributedDataParallel`), and prints the collectives of one training step. All four start from rank 0's
+# weights and apply the same averaged gradients, so they print the same losses; what differs is how the gradients
+# travel.
+
+# %%
+for build, extra in BUILD_RUNS:
+    printed = run("solutions/09_ddp_by_hand.py", "--ddp", build, *extra)
+    print(f"--ddp {build} {' '.join(extra)}".rstrip())
+    print(lines(printed, "one training step", "epoch 1/1", "model replicas"), "\n")
+
+# %% [markdown]
+# ## When each all-reduce runs: a timeline of one backward pass
+#
+# `bucket_timeline` times one training step of `BucketedDDP` on `DeepMLP` (2 processes): when each gradient became
+# ready (its post-accumulate-grad hook), and when each bucket's all-reduce started and finished, in milliseconds
+# from the start of `backward()`. The buckets that start before `backward()` returns overlap with it.
+
+# %%
+timeline = run_on_ranks(bucket_timeline, 2, 0.5, timeout=120)[0]  # rank 0's view; 0.5 MiB buckets
+figure, axes = plt.subplots(figsize=(10, 3.2), layout="tight")
+axes.axvspan(0, timeline["backward_ms"], color="tab:blue", alpha=0.12, label="backward()")
+for bucket in timeline["buckets"]:
+    axes.barh(
+        bucket["index"],
+        bucket["ended_ms"] - bucket["started_ms"],
+        left=bucket["started_ms"],
+        color="tab:orange",
+        label="all-reduce" if bucket["index"] == 0 else None,
+    )
+ready = {gradient["parameter"]: gradient["ready_ms"] for gradient in timeline["gradients"]}
+for bucket in timeline["buckets"]:
+    axes.plot([ready[name] for name in bucket["parameters"]], [bucket["index"]] * len(bucket["parameters"]), "k|")
+axes.axvline(timeline["finish_ms"], color="k", linestyle="--", label="finish_gradient_synchronization() returns")
+axes.set(xlabel="ms from the start of backward()", ylabel="bucket", yticks=[b["index"] for b in timeline["buckets"]])
+axes.invert_yaxis()
+axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # beside the plot: no bar hidden
+plt.show()
+print(f"backward() returned at {timeline['backward_ms']:.1f} ms, ", end="")
+print(f"all gradients averaged at {timeline['finish_ms']:.1f} ms")
+for bucket in timeline["buckets"]:
+    print(
+        f"bucket {bucket['index']}: {bucket['bytes'] / 2**20:.2f} MiB, {len(bucket['parameters'])} tensors, "
+        f"all-reduce {bucket['started_ms']:.1f} -> {bucket['ended_ms']:.1f} ms"
+    )
+
+# %% [markdown]
+# Each tick is a gradient becoming ready; a bucket's bar starts at its last tick (or when the bucket before it has
+# started: they start in order), and runs while autograd computes the gradients of the layers before it.
+#
+# ## Step time against torch's DDP
+#
+# `benchmarks/ddp_by_hand.py` trains the same `DeepMLP` with every build, taking turns round after round, and
+# prints the median step time and the ratio to torch's DDP.
+
+# %%
+print(launch("benchmarks/ddp_by_hand.py", *BENCHMARK, nproc=2).stdout)
+
+# %% [markdown]
+# ## ZeRO by hand: what each rank holds, and what it sends
+#
+# `solutions/10_zero_by_hand.py` trains `DeepMLP` with Adam under ZeRO-1 (`ZeRO1Optimizer` around `BucketedDDP`),
+# ZeRO-2 (`ZeRO2Optimizer`, no DDP) or ZeRO-3 (`ZeRO3Model`), and prints the collectives of one step and the bytes
+# of model state each rank holds beside lesson 06's arithmetic (`common.memory.zero_bytes_per_rank`).
+
+# %%
+for stage, extra, nproc in ZERO_RUNS:
+    print(run("solutions/10_zero_by_hand.py", "--zero", stage, *extra, nproc=nproc))
