@@ -18,8 +18,8 @@
 Each wrapper is used like DDP, plus one call before the optimizer step (DDP hides it at the end of backward):
 
     net = BucketedDDP(model)          # broadcasts rank 0's parameters and buffers
+    optimizer.zero_grad(set_to_none=True)   # before forward: BucketedDDP's forward points .grad at its buckets
     loss = F.cross_entropy(net(X), y)
-    optimizer.zero_grad(set_to_none=True)
     loss.backward()                   # OverlappedDDP/BucketedDDP start all-reduces here, from their hooks
     net.finish_gradient_synchronization()   # wait for them, divide by the world size
     optimizer.step()
@@ -170,9 +170,9 @@ class OverlappedDDP(HandMadeDDP):
                 f"{self.parameter_names[i]}: a second gradient before finish_gradient_synchronization(); "
                 "call it after every backward()"
             )
-        # BEGIN LAB: mark gradient i ready, then start, in launch_order, every all-reduce whose gradient is ready
-        # Keep going from launch_order[self.next] while the gradients are ready: dist.all_reduce(grad,
-        # async_op=True) returns a handle at once; keep the handles to wait on them later.
+        # BEGIN LAB: start the all-reduces of ready gradients, in launch_order
+        # Mark gradient i ready (self.ready), then go on from launch_order[self.next] while the gradients are
+        # ready: dist.all_reduce(grad, async_op=True) returns a handle at once; keep the handles to wait on later.
         self.ready[i] = True
         while self.next < len(self.launch_order) and self.ready[self.launch_order[self.next]]:
             p = self.trainable[self.launch_order[self.next]]
@@ -190,7 +190,7 @@ class OverlappedDDP(HandMadeDDP):
                     p.grad = torch.zeros_like(p)
                 self.gradient_ready(i)
         used = self.used_anywhere(used_here)  # after every gradient's all-reduce: the same place on every rank
-        # BEGIN LAB: wait for every all-reduce, then divide each gradient by the world size
+        # BEGIN LAB: wait for the all-reduces, then divide by the world size
         # A handle's wait() returns once its all-reduce is done; only then does p.grad hold the sum.
         for handle in self.handles:
             handle.wait()
@@ -211,15 +211,16 @@ def assign_buckets(parameters: list[torch.Tensor], bucket_cap_bytes: int) -> lis
     bucket holds what is left. Example: four tensors of 400, 300, 300 and 200 bytes, cap 500: reverse order
     3, 2, 1, 0; [3, 2] (500 bytes, full), [1, 0] (700 bytes).
 
-    DDP itself, for comparison: the first backward runs with all gradients in one bucket; from the second step
-    on, the buckets are rebuilt with this rule from the order gradients actually arrived in the first backward
-    (for a sequential model, reverse ``parameters()``). DDP opens one bucket per dtype and device; all the
-    parameters here share one. And DDP's first bucket (the last parameters) gets a cap of its own: 1 MiB
-    (``dist._DEFAULT_FIRST_BUCKET_BYTES``) when ``bucket_cap_mb`` is left at its default, the same cap as the
-    others when ``bucket_cap_mb`` is given (PyTorch 2.14, ``_BucketCapacityConfig`` in
+    DDP itself, for comparison: with ``find_unused_parameters=False`` (its default) the first backward runs with
+    all gradients in one bucket, and from the second step on the buckets are rebuilt with this rule from the order
+    gradients actually arrived in the first backward (for a sequential model, reverse ``parameters()``); with
+    ``find_unused_parameters=True`` it cuts them once, at construction, and never rebuilds. DDP opens one bucket
+    per dtype and device; all the parameters here share one. And DDP's first bucket (the last parameters) gets a
+    cap of its own: 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``) when ``bucket_cap_mb`` is left at its default, the
+    same cap as the others when ``bucket_cap_mb`` is given (PyTorch 2.14, ``_BucketCapacityConfig`` in
     torch/nn/parallel/distributed.py). This function matches DDP given ``bucket_cap_mb``: one cap for all.
     """
-    # BEGIN LAB: the bucket assignment, in reverse order of parameters, closing a bucket once it reaches the cap
+    # BEGIN LAB: buckets in reverse order, each closed at the cap
     # Bytes of a tensor: numel() * element_size(). Remember the last, partly full bucket.
     buckets, bucket, size = [], [], 0
     for i in reversed(range(len(parameters))):
@@ -300,9 +301,10 @@ class BucketedDDP(HandMadeDDP):
         if p.grad.data_ptr() != view.data_ptr():  # autograd made a new tensor: one copy into the bucket
             view.copy_(p.grad)
             p.grad = view
-        # BEGIN LAB: mark gradient i ready; start (async) the all-reduce of every complete bucket, in bucket order
-        # self.pending[b] counts the gradients bucket b still waits for. Buckets start in order: a complete bucket
-        # waits for the ones before it, so that every rank starts the same all-reduces in the same order.
+        # BEGIN LAB: start the all-reduce of each complete bucket, in order
+        # Mark gradient i ready and count it off its bucket: self.pending[b] counts the gradients bucket b still
+        # waits for. Buckets start in order (self.next_bucket): a complete bucket waits for the ones before it,
+        # so that every rank starts the same all-reduces in the same order.
         self.ready[i] = True
         self.pending[self.bucket_of[i]] -= 1
         while self.next_bucket < len(self.flat) and self.pending[self.next_bucket] == 0:
@@ -318,7 +320,7 @@ class BucketedDDP(HandMadeDDP):
                 self.trainable[i].grad = self.views[i].zero_()
                 self.gradient_ready(i)
         used = self.used_anywhere(used_here)  # after every bucket's all-reduce: the same place on every rank
-        # BEGIN LAB: wait for every bucket's all-reduce, then divide each bucket by the world size
+        # BEGIN LAB: wait for the buckets, then divide by the world size
         # The gradients are views into the buckets: dividing a bucket divides its gradients.
         for handle in self.handles:
             handle.wait()

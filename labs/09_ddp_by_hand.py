@@ -3,11 +3,11 @@
 """Lab 09 (lesson 08): DDP built by hand. Train with a naive, an overlapped or a bucketed DDP of your own, or torch's.
 
 YOUR TASK: write the parts marked TODO below; the rest of this script and common/ are done for you.
-- in ``OverlappedDDP.gradient_ready``: mark gradient i ready, then start, in launch_order, every all-reduce whose gradient is ready
-- in ``OverlappedDDP.finish_gradient_synchronization``: wait for every all-reduce, then divide each gradient by the world size
-- in ``assign_buckets``: the bucket assignment, in reverse order of parameters, closing a bucket once it reaches the cap
-- in ``BucketedDDP.gradient_ready``: mark gradient i ready; start (async) the all-reduce of every complete bucket, in bucket order
-- in ``BucketedDDP.finish_gradient_synchronization``: wait for every bucket's all-reduce, then divide each bucket by the world size
+- in ``OverlappedDDP.gradient_ready``: start the all-reduces of ready gradients, in launch_order
+- in ``OverlappedDDP.finish_gradient_synchronization``: wait for the all-reduces, then divide by the world size
+- in ``assign_buckets``: buckets in reverse order, each closed at the cap
+- in ``BucketedDDP.gradient_ready``: start the all-reduce of each complete bucket, in order
+- in ``BucketedDDP.finish_gradient_synchronization``: wait for the buckets, then divide by the world size
 Check your work with
 
     LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_09_ddp_by_hand.py
@@ -18,9 +18,6 @@ Check your work with
     # the naive build: one blocking all-reduce per parameter after backward
     torchrun --standalone --nproc_per_node=2 solutions/09_ddp_by_hand.py --dataset digits --ddp naive
 
-    # smaller buckets: more all-reduces, each started earlier in backward
-    torchrun --standalone --nproc_per_node=2 solutions/09_ddp_by_hand.py --dataset digits --bucket-cap-mb 0.05
-
     # torch's DistributedDataParallel on the same data, for comparison; 4 GPUs (NCCL) the same way
     torchrun --standalone --nproc_per_node=2 solutions/09_ddp_by_hand.py --dataset digits --ddp torch
     torchrun --standalone --nproc_per_node=4 solutions/09_ddp_by_hand.py --ddp bucketed
@@ -28,7 +25,8 @@ Check your work with
 ``NaiveDDP``, ``OverlappedDDP``, ``BucketedDDP`` and ``assign_buckets`` are written out in
 ``common/ddp_by_hand.py`` (lesson 08 shows them in full); ``labs/09_ddp_by_hand.py`` leaves their hooks and
 buckets to you. The script prints the collectives of one training step (how many all-reduces, how many MB) and,
-at the end, whether the replicas are still identical.
+at the end, whether the replicas are still identical. ``--bucket-cap-mb 0.05`` makes smaller buckets: more
+all-reduces, each started earlier in backward.
 """
 
 import torch
@@ -81,10 +79,10 @@ class OverlappedDDP(HandMadeDDP):
                 f"{self.parameter_names[i]}: a second gradient before finish_gradient_synchronization(); "
                 "call it after every backward()"
             )
-        # TODO: mark gradient i ready, then start, in launch_order, every all-reduce whose gradient is ready
-        # Keep going from launch_order[self.next] while the gradients are ready: dist.all_reduce(grad,
-        # async_op=True) returns a handle at once; keep the handles to wait on them later.
-        raise NotImplementedError("TODO: mark gradient i ready, then start, in launch_order, every all-reduce whose gradient is ready")
+        # TODO: start the all-reduces of ready gradients, in launch_order
+        # Mark gradient i ready (self.ready), then go on from launch_order[self.next] while the gradients are
+        # ready: dist.all_reduce(grad, async_op=True) returns a handle at once; keep the handles to wait on later.
+        raise NotImplementedError("TODO: start the all-reduces of ready gradients, in launch_order")
 
     def finish_gradient_synchronization(self) -> None:
         """Start the all-reduces of gradients that never came (zeros), wait for all of them, divide."""
@@ -96,9 +94,9 @@ class OverlappedDDP(HandMadeDDP):
                     p.grad = torch.zeros_like(p)
                 self.gradient_ready(i)
         used = self.used_anywhere(used_here)  # after every gradient's all-reduce: the same place on every rank
-        # TODO: wait for every all-reduce, then divide each gradient by the world size
+        # TODO: wait for the all-reduces, then divide by the world size
         # A handle's wait() returns once its all-reduce is done; only then does p.grad hold the sum.
-        raise NotImplementedError("TODO: wait for every all-reduce, then divide each gradient by the world size")
+        raise NotImplementedError("TODO: wait for the all-reduces, then divide by the world size")
         self.handles, self.ready, self.next = [], [False] * len(self.trainable), 0
         self.forget_unused_gradients(used)
 
@@ -113,17 +111,18 @@ def assign_buckets(parameters: list[torch.Tensor], bucket_cap_bytes: int) -> lis
     bucket holds what is left. Example: four tensors of 400, 300, 300 and 200 bytes, cap 500: reverse order
     3, 2, 1, 0; [3, 2] (500 bytes, full), [1, 0] (700 bytes).
 
-    DDP itself, for comparison: the first backward runs with all gradients in one bucket; from the second step
-    on, the buckets are rebuilt with this rule from the order gradients actually arrived in the first backward
-    (for a sequential model, reverse ``parameters()``). DDP opens one bucket per dtype and device; all the
-    parameters here share one. And DDP's first bucket (the last parameters) gets a cap of its own: 1 MiB
-    (``dist._DEFAULT_FIRST_BUCKET_BYTES``) when ``bucket_cap_mb`` is left at its default, the same cap as the
-    others when ``bucket_cap_mb`` is given (PyTorch 2.14, ``_BucketCapacityConfig`` in
+    DDP itself, for comparison: with ``find_unused_parameters=False`` (its default) the first backward runs with
+    all gradients in one bucket, and from the second step on the buckets are rebuilt with this rule from the order
+    gradients actually arrived in the first backward (for a sequential model, reverse ``parameters()``); with
+    ``find_unused_parameters=True`` it cuts them once, at construction, and never rebuilds. DDP opens one bucket
+    per dtype and device; all the parameters here share one. And DDP's first bucket (the last parameters) gets a
+    cap of its own: 1 MiB (``dist._DEFAULT_FIRST_BUCKET_BYTES``) when ``bucket_cap_mb`` is left at its default, the
+    same cap as the others when ``bucket_cap_mb`` is given (PyTorch 2.14, ``_BucketCapacityConfig`` in
     torch/nn/parallel/distributed.py). This function matches DDP given ``bucket_cap_mb``: one cap for all.
     """
-    # TODO: the bucket assignment, in reverse order of parameters, closing a bucket once it reaches the cap
+    # TODO: buckets in reverse order, each closed at the cap
     # Bytes of a tensor: numel() * element_size(). Remember the last, partly full bucket.
-    raise NotImplementedError("TODO: the bucket assignment, in reverse order of parameters, closing a bucket once it reaches the cap")
+    raise NotImplementedError("TODO: buckets in reverse order, each closed at the cap")
 
 
 class BucketedDDP(HandMadeDDP):
@@ -192,10 +191,11 @@ class BucketedDDP(HandMadeDDP):
         if p.grad.data_ptr() != view.data_ptr():  # autograd made a new tensor: one copy into the bucket
             view.copy_(p.grad)
             p.grad = view
-        # TODO: mark gradient i ready; start (async) the all-reduce of every complete bucket, in bucket order
-        # self.pending[b] counts the gradients bucket b still waits for. Buckets start in order: a complete bucket
-        # waits for the ones before it, so that every rank starts the same all-reduces in the same order.
-        raise NotImplementedError("TODO: mark gradient i ready; start (async) the all-reduce of every complete bucket, in bucket order")
+        # TODO: start the all-reduce of each complete bucket, in order
+        # Mark gradient i ready and count it off its bucket: self.pending[b] counts the gradients bucket b still
+        # waits for. Buckets start in order (self.next_bucket): a complete bucket waits for the ones before it,
+        # so that every rank starts the same all-reduces in the same order.
+        raise NotImplementedError("TODO: start the all-reduce of each complete bucket, in order")
 
     def finish_gradient_synchronization(self) -> None:
         """Complete the buckets of gradients that never came (zeros), wait for every bucket, divide."""
@@ -205,9 +205,9 @@ class BucketedDDP(HandMadeDDP):
                 self.trainable[i].grad = self.views[i].zero_()
                 self.gradient_ready(i)
         used = self.used_anywhere(used_here)  # after every bucket's all-reduce: the same place on every rank
-        # TODO: wait for every bucket's all-reduce, then divide each bucket by the world size
+        # TODO: wait for the buckets, then divide by the world size
         # The gradients are views into the buckets: dividing a bucket divides its gradients.
-        raise NotImplementedError("TODO: wait for every bucket's all-reduce, then divide each bucket by the world size")
+        raise NotImplementedError("TODO: wait for the buckets, then divide by the world size")
         self.handles, self.ready, self.next_bucket = [], [False] * len(self.trainable), 0
         self.pending = [len(bucket) for bucket in self.bucket_indices]
         self.forget_unused_gradients(used)

@@ -21,9 +21,6 @@ one of them, prints the collectives of one step, and what each rank holds beside
     torchrun --standalone --nproc_per_node=2 solutions/10_zero_by_hand.py --dataset digits --zero 1
     torchrun --standalone --nproc_per_node=2 solutions/10_zero_by_hand.py --dataset digits --zero 3 --compute-dtype bf16
 
-    # 4 processes: a quarter of the model state on each
-    torchrun --standalone --nproc_per_node=4 solutions/10_zero_by_hand.py --dataset digits
-
     # 4 GPUs (NCCL is picked by itself), Fashion-MNIST
     torchrun --standalone --nproc_per_node=4 solutions/10_zero_by_hand.py --zero 3 --compute-dtype bf16
 """

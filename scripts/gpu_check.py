@@ -118,6 +118,13 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
             [*torchrun, "solutions/08_dp_vs_ddp.py", "--model", "simplecnn", "--steps", "10"],
             180,
         ),
+        Step("09_ddp_by_hand", "solutions", [*torchrun, "solutions/09_ddp_by_hand.py", *SOLUTION_ARGS], 180),
+        Step(
+            "10_zero_by_hand (ZeRO-3, bf16 gathers)",
+            "solutions",
+            [*torchrun, "solutions/10_zero_by_hand.py", *SOLUTION_ARGS, "--compute-dtype", "bf16"],
+            180,
+        ),
         Step(
             "mixed precision",
             "benchmarks",
@@ -135,6 +142,15 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
             json_file="mixed_precision.json",
         ),
     ]
+    steps.append(
+        Step(
+            "hand-built DDP against torch's DDP",
+            "benchmarks",
+            [*torchrun, "benchmarks/ddp_by_hand.py", "--json", str(scratch / "ddp_by_hand.json")],
+            180,
+            json_file="ddp_by_hand.json",
+        )
+    )
     world_sizes = [size for size in (1, 2, 4, 8, 16, 32, 64) if size <= num_gpus]
     steps += [
         Step(

@@ -6,9 +6,6 @@
     # the naive build: one blocking all-reduce per parameter after backward
     torchrun --standalone --nproc_per_node=2 solutions/09_ddp_by_hand.py --dataset digits --ddp naive
 
-    # smaller buckets: more all-reduces, each started earlier in backward
-    torchrun --standalone --nproc_per_node=2 solutions/09_ddp_by_hand.py --dataset digits --bucket-cap-mb 0.05
-
     # torch's DistributedDataParallel on the same data, for comparison; 4 GPUs (NCCL) the same way
     torchrun --standalone --nproc_per_node=2 solutions/09_ddp_by_hand.py --dataset digits --ddp torch
     torchrun --standalone --nproc_per_node=4 solutions/09_ddp_by_hand.py --ddp bucketed
@@ -16,7 +13,8 @@
 ``NaiveDDP``, ``OverlappedDDP``, ``BucketedDDP`` and ``assign_buckets`` are written out in
 ``common/ddp_by_hand.py`` (lesson 08 shows them in full); ``labs/09_ddp_by_hand.py`` leaves their hooks and
 buckets to you. The script prints the collectives of one training step (how many all-reduces, how many MB) and,
-at the end, whether the replicas are still identical.
+at the end, whether the replicas are still identical. ``--bucket-cap-mb 0.05`` makes smaller buckets: more
+all-reduces, each started earlier in backward.
 """
 
 import torch

@@ -104,6 +104,18 @@ NOT_RUN = {
         "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
     ".venv/bin/python -m pytest tests/test_memory.py tests/test_fsdp.py tests/labs/test_03_fsdp.py":
         "test files of this suite, which the suite runs itself",
+    "torchrun --standalone --nproc_per_node=4 solutions/09_ddp_by_hand.py --ddp bucketed":
+        f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twin (--dataset digits) runs here",
+    "torchrun --standalone --nproc_per_node=4 solutions/10_zero_by_hand.py --zero 3 --compute-dtype bf16":
+        f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twins (--dataset digits) run here",
+    "torchrun --standalone --nproc_per_node=2 benchmarks/ddp_by_hand.py":
+        f"{MEASURES}; tests/test_ddp_by_hand.py::test_the_benchmark_prints_a_row_per_build_with_its_ratio_to_torch_ddp "
+        "runs it on small settings",
+    ".venv/bin/python -m pytest tests/test_ddp_by_hand.py tests/test_zero_by_hand.py":
+        "test files of this suite, which the suite runs itself",
+    "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_09_ddp_by_hand.py tests/labs/test_10_zero_by_hand.py":
+        "the starters fail their lab tests until the reader finishes them; "
+        "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that they do",
 }
 # fmt: on
 
