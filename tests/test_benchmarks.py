@@ -7,6 +7,7 @@ import pytest
 from tests.conftest import PYTHON, REPO, load_script, run_command, torchrun
 
 
+@pytest.mark.slow  # a benchmark's drill: make test-slow
 def test_the_scaling_benchmark_prints_a_row_per_process_count():
     run = run_command(
         [PYTHON, REPO / "benchmarks/ddp_scaling.py", "--nproc", "1", "--dataset", "digits", "--epochs", "1"],
@@ -45,6 +46,7 @@ def test_the_accumulation_benchmark_counts_one_all_reduce_round_per_effective_st
     assert float(no_sync[1]) > 0 and float(every[1]) == pytest.approx(4 * float(no_sync[1]), abs=0.04)  # MB, 2 decimals
 
 
+@pytest.mark.slow  # a benchmark's drill: make test-slow
 def test_the_mixed_precision_benchmark_prints_a_row_per_precision_and_bf16_saves_less_for_backward():
     run = run_command(
         [
@@ -71,6 +73,7 @@ def test_the_mixed_precision_benchmark_prints_a_row_per_precision_and_bf16_saves
     assert float(bf16[4]) < float(fp32[4])
 
 
+@pytest.mark.slow  # a benchmark's drill: make test-slow
 def test_the_teardown_benchmark_prints_a_row_per_condition_and_fishers_p_value():
     run = run_command([PYTHON, REPO / "benchmarks/teardown_pause.py", "--runs", "1", "--progress", "0"], timeout=300)
     assert run.returncode == 0, run.output

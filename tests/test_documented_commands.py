@@ -51,7 +51,7 @@ MEASURES = "a benchmark, which measures for minutes by design"
 SAME_LAUNCH = "the same rehearsal, with the same settings and its own folders, runs in tests/labs/test_05_multi_node.py"
 SMALL_PRECISION = (
     "tests/test_benchmarks.py::test_the_mixed_precision_benchmark_prints_a_row_per_precision_and_"
-    "bf16_saves_less_for_backward runs it on small settings"
+    "bf16_saves_less_for_backward runs it on small settings (a drill of make test-slow)"
 )
 # Each reason hangs under its command, which the formatter would not keep.
 # fmt: off

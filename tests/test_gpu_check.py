@@ -236,6 +236,7 @@ def test_the_check_records_each_step_as_it_ends_and_skips_what_the_budget_leaves
     assert "the table" in (tmp_path / "fake-gpu-x100" / "summary.md").read_text()
 
 
+@pytest.mark.slow  # make test-slow: a drill of what make gpu-check runs
 def test_the_tests_marked_cuda_are_those_that_need_a_gpu():
     command = next(step.command for step in gpu_check.plan(1, 1, REPO, REPO) if step.part == "tests")
     run = subprocess.run(
@@ -275,6 +276,7 @@ def torchrun(script: str, *arguments, nproc: int = 2) -> subprocess.CompletedPro
     return run
 
 
+@pytest.mark.slow  # make test-slow: a drill of what make gpu-check runs
 def test_fsdp_memory_shows_zero1_sharding_the_optimizer_and_fsdp_the_parameters_on_2_ranks(tmp_path):
     torchrun("benchmarks/fsdp_memory.py", "--width", 64, "--depth", 2, "--json", tmp_path / "memory.json")
     data = json.loads((tmp_path / "memory.json").read_text())
@@ -288,6 +290,7 @@ def test_fsdp_memory_shows_zero1_sharding_the_optimizer_and_fsdp_the_parameters_
     assert ddp["total_mib"] == pytest.approx(ddp["zero_predicted_mib"], rel=0.01)
 
 
+@pytest.mark.slow  # make test-slow: a drill of what make gpu-check runs
 def test_the_profile_of_a_ddp_step_writes_a_trace_and_lists_the_costliest_ops(tmp_path):
     run = torchrun(
         "benchmarks/profile_ddp_step.py",
