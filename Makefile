@@ -30,7 +30,8 @@ gpu-check:
 $(READY): requirements.txt pyproject.toml
 	@echo "Setting up $(VENV): PyTorch and friends, a few minutes the first time only"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -r requirements.txt
-	$(BIN)/python -m pip install --quiet --no-deps d2l==1.0.3
+	# --no-compile: Python compiles what it imports on first use; byte-compiling all of torch up front costs 40 s
+	$(BIN)/python -m pip install --quiet --no-compile -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-compile --no-deps d2l==1.0.3
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@

@@ -315,6 +315,7 @@ def test_the_timeline_shows_buckets_all_reduced_while_backward_runs(results):
     assert len(rank0["gradients"]) == 10 and rank0["gradients"][0]["parameter"] == "head.bias"
 
 
+@pytest.mark.slow  # a benchmark's drill: make test-slow
 def test_the_benchmark_prints_a_row_per_build_with_its_ratio_to_torch_ddp(tmp_path):
     run = torchrun(
         "benchmarks/ddp_by_hand.py",

@@ -110,7 +110,7 @@ NOT_RUN = {
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twins (--dataset digits) run here",
     "torchrun --standalone --nproc_per_node=2 benchmarks/ddp_by_hand.py":
         "a benchmark, which times every build for most of a minute; tests/test_ddp_by_hand.py::test_the_benchmark_"
-        "prints_a_row_per_build_with_its_ratio_to_torch_ddp runs it on small settings",
+        "prints_a_row_per_build_with_its_ratio_to_torch_ddp runs it on small settings (make test-slow)",
     ".venv/bin/python -m pytest tests/test_ddp_by_hand.py tests/test_zero_by_hand.py":
         "test files of this suite, which the suite runs itself",
     "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_09_ddp_by_hand.py tests/labs/test_10_zero_by_hand.py":

@@ -189,6 +189,7 @@ def test_the_result_files_hold_the_versions_every_step_and_each_benchmarks_print
     assert gpu_check.folder_name(["NVIDIA H100 80GB HBM3"]) == "nvidia-h100-80gb-hbm3"
 
 
+@pytest.mark.slow  # make test-slow: a drill of what make gpu-check runs
 def test_the_check_records_each_step_as_it_ends_and_skips_what_the_budget_leaves_no_time_for(tmp_path, monkeypatch):
     facts = {
         "date": "today",

@@ -267,6 +267,7 @@ def collective_mistakes_on_2_ranks():
     return run_on_ranks(collective_mistakes, 2, 3.0, timeout=90)  # collectives time out after 3 s
 
 
+@pytest.mark.slow  # make test-slow: it waits out collective timeouts
 def test_a_rank_that_skips_a_collective_is_a_timeout_that_only_detail_pins_on_the_missing_rank(
     collective_mistakes_on_2_ranks,
 ):
@@ -280,6 +281,7 @@ def test_a_rank_that_skips_a_collective_is_a_timeout_that_only_detail_pins_on_th
     assert "Rank" not in waiting["skipped"]["error"]  # without DETAIL, nothing names the rank that is missing
 
 
+@pytest.mark.slow  # make test-slow: it waits out collective timeouts
 def test_under_detail_mismatched_collectives_fail_at_once_with_both_fingerprints(collective_mistakes_on_2_ranks):
     for rank, results in enumerate(collective_mistakes_on_2_ranks):
         result = results["mismatched shapes, DETAIL"]
