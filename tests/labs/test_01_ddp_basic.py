@@ -145,7 +145,7 @@ def test_a_resumed_run_is_bit_identical_without_dropout_and_a_different_run_with
     assert bool(differing_tensors(resumed, reference)) == differs, differing_tensors(resumed, reference)
 
 
-@pytest.mark.parametrize("nproc", [1, 3, 4])
+@pytest.mark.parametrize("nproc", [1, pytest.param(3, marks=pytest.mark.slow), 4])  # 3: make test-slow
 def test_any_number_of_processes_from_1_to_4(tmp_path, nproc):
     run = torchrun(
         SCRIPT,

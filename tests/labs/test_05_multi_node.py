@@ -135,7 +135,12 @@ def torchrun_restartable(*args, timeout=240):
     )
 
 
-@pytest.fixture(scope="module", params=list(RESUME_CASES))
+# The epoch-boundary case on Fashion-MNIST files is slow (make test-slow; a plain pytest runs it): make test keeps
+# the mid-epoch case, the harder of the two resumes.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(case, marks=pytest.mark.slow) if "epoch-boundary" in case else case for case in RESUME_CASES],
+)
 def dropout_run(request, tmp_path_factory):
     """The uninterrupted run of one case: (case, its arguments, the run, the folder of its checkpoints)."""
     folder = tmp_path_factory.mktemp(request.param)
