@@ -7,7 +7,8 @@ Every rank trains ``--warmup`` unprofiled steps, one more while the profiler sta
 profiled ones, on one fixed random batch;
 rank 0 prints the ops that took the most time (self time, per step: device time on a GPU, CPU time on a CPU),
 on a GPU the share of device time in communication kernels (names holding ``nccl``, ``gloo`` or ``c10d``; on a
-CPU gloo communicates on threads of its own, which the profiler does not record), and writes
+CPU gloo communicates on threads of its own, ``pt_gloo_runloop``, which the trace records as ``gloo:all_reduce``
+spans beside the main thread's ``c10d::allreduce_``, and this script does not add up), and writes
 the trace, which https://ui.perfetto.dev or chrome://tracing opens (a ``.gz`` name is written compressed).
 On a GPU, device time covers kernels only: a step's wall time is also spent launching them and waiting.
 """
