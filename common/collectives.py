@@ -16,6 +16,7 @@ every rank. They are for learning and measuring, not for training: NCCL and gloo
 - ``count_messages``: counts the point-to-point messages (and bytes) one rank sends and receives in a block.
 - ``all_gather_into``, ``reduce_scatter_into``: the two collectives of sharding, under any PyTorch's name.
 - ``count_collectives``: records the collectives one rank starts in a block: which, how many bytes, when.
+- ``wrapped_dist_functions``: functions of ``torch.distributed`` replaced by wrappers for a block (both counters').
 """
 
 import time
@@ -171,7 +172,6 @@ def count_messages():
     collectives such as ``dist.all_reduce``.
     """
     count = MessageCount()
-    originals = {name: getattr(dist, name) for name in ("send", "isend", "recv", "irecv")}
 
     def counting(name, original):
         def wrapper(tensor, *args, **kwargs):
@@ -184,10 +184,23 @@ def count_messages():
 
         return wrapper
 
-    for name, original in originals.items():
-        setattr(dist, name, counting(name, original))
-    try:
+    with wrapped_dist_functions(("send", "isend", "recv", "irecv"), counting):
         yield count
+
+
+@contextmanager
+def wrapped_dist_functions(names, make_wrapper):
+    """Inside the block, each ``torch.distributed.<name>`` of ``names`` that this PyTorch has is
+    ``make_wrapper(name, original)``; the originals come back after it, on an error too.
+
+    Code that looks the function up at each call (``dist.all_reduce(...)``, as this course's code does) goes through
+    the wrapper; code that bound the function before the block, or calls C++ (DDP's reducer), does not.
+    """
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+    for name, original in originals.items():
+        setattr(dist, name, make_wrapper(name, original))
+    try:
+        yield
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
@@ -266,7 +279,6 @@ def count_collectives():
     ``AllReduceCounter``.
     """
     log = CollectiveLog()
-    originals = {name: getattr(dist, name) for name in COUNTED_COLLECTIVES if hasattr(dist, name)}
 
     def counting(name, original):
         def wrapper(*args, **kwargs):
@@ -277,10 +289,5 @@ def count_collectives():
 
         return wrapper
 
-    for name, original in originals.items():
-        setattr(dist, name, counting(name, original))
-    try:
+    with wrapped_dist_functions(COUNTED_COLLECTIVES, counting):
         yield log
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
