@@ -92,12 +92,17 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     Call it after ``optimizer.step()`` and before ``zero_grad``, when all three exist. Under FSDP2 the
     parameters and gradients are DTensors and only the local shard counts; under ZeRO-1 only this rank's
-    partition of the optimizer states exists.
+    partition of the optimizer states exists. The gradients are those of the model's parameters and of the
+    parameters the (local) optimizer steps, each tensor once: lesson 08's ZeRO-2 keeps its gradient piece on the
+    piece it steps, not on the model's parameters.
     """
     parameters = list(model.parameters())
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's and lesson 08's: this rank's share
+    stepped = [p for group in local.param_groups for p in group["params"]]
+    gradients = {id(p.grad): p.grad for p in [*parameters, *stepped] if p.grad is not None}
     figures = {
         "parameters": local_bytes(parameters),
-        "gradients": local_bytes(p.grad for p in parameters),
+        "gradients": local_bytes(gradients.values()),
         "optimizer": local_bytes(optimizer_state_tensors(optimizer)),
     }
     return {**figures, "total": sum(figures.values())}

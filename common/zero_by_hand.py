@@ -14,7 +14,6 @@ class here builds one stage from the plain collectives, so that lesson 08 can ch
 - ``ZeRO3Model`` (stage 3, fully sharded): a rank keeps 1/N of every unit's parameters; a unit is all-gathered
   just before it computes and freed after; gradients are reduce-scattered to their owners.
 - ``gather_full_parameters``: ZeRO-3's whole parameters by name, for checking and saving.
-- ``model_state_bytes``: what a rank holds of parameters, gradients and optimizer states, under any stage.
 
 Every collective goes through ``dist.broadcast`` or ``common.collectives.all_gather_into`` / ``reduce_scatter_into``,
 looked up at call time, so that ``common.collectives.count_collectives`` sees them all. Gradients are summed, then
@@ -31,7 +30,6 @@ from torch import nn
 
 from common.collectives import all_gather_into, reduce_scatter_into
 from common.ddp_by_hand import broadcast_parameters_and_buffers, require_process_group
-from common.memory import local_bytes, optimizer_state_tensors
 
 
 def partition_by_size(parameters, world_size: int) -> list[list[int]]:
@@ -511,18 +509,3 @@ def gather_full_parameters(model: ZeRO3Model) -> dict[str, torch.Tensor]:
         gathered.update(zip(unit.names, unit.layout.views(full)))
     gathered.update((name, p.detach()) for name, p in model.module.named_parameters())  # the frozen ones, whole
     return {name: gathered[name] for name in model.parameter_names}
-
-
-def model_state_bytes(net: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """What this rank holds right now, in bytes: ``{"parameters", "gradients", "optimizer", "total"}``, under any
-    stage here (and DDP): the parameters and gradients of ``net`` and of the local optimizer's parameters (ZeRO-2's
-    gradient piece lives there), each tensor once; the optimizer states of this rank (``self.optim``'s)."""
-    local = getattr(optimizer, "optim", optimizer)
-    stepped = [p for group in local.param_groups for p in group["params"]]  # ZeRO-2's piece: a view, not counted
-    gradients = {id(p.grad): p.grad for p in [*net.parameters(), *stepped] if p.grad is not None}
-    figures = {
-        "parameters": local_bytes(net.parameters()),
-        "gradients": local_bytes(gradients.values()),
-        "optimizer": local_bytes(optimizer_state_tensors(optimizer)),
-    }
-    return {**figures, "total": sum(figures.values())}

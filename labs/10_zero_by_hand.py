@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from common.collectives import count_collectives
 from common.ddp_by_hand import BucketedDDP
 from common.distributed import print0, process_group, set_seed
-from common.memory import zero_bytes_per_rank
+from common.memory import training_state_bytes, zero_bytes_per_rank
 from common.models import MODELS
 from common.training import TrainingHistory, make_loaders, progress_bar, training_arguments, write_metrics
-from common.zero_by_hand import ZeRO2Optimizer, ZeRO3Model, gather_full_parameters, model_state_bytes
+from common.zero_by_hand import ZeRO2Optimizer, ZeRO3Model, gather_full_parameters
 # What the functions you write below use:
 from common.ddp_by_hand import require_process_group
 
@@ -158,7 +158,7 @@ def train(args, env):
             loss_sum += loss.detach() * len(y)
             samples += len(y)
         history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter)
-    held = model_state_bytes(net, optimizer)  # gradients kept from the last step, as lesson 06 measures
+    held = training_state_bytes(net, optimizer)  # gradients kept from the last step, as lesson 06 measures
     report(env, args, history, log, held, full_parameters(net, model, args), num_parameters)
 
 

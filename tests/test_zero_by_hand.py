@@ -20,13 +20,13 @@ from common.collectives import count_collectives
 from common.ddp_by_hand import BucketedDDP
 from common.fsdp import full_parameters
 from common.launch import run_on_ranks
+from common.memory import training_state_bytes
 from common.models import DeepMLP
 from common.zero_by_hand import (
     ZeRO1Optimizer,
     ZeRO2Optimizer,
     ZeRO3Model,
     gather_full_parameters,
-    model_state_bytes,
     partition_by_size,
 )
 
@@ -136,7 +136,7 @@ def big_model_state(env, stage):
         F.cross_entropy(net(X), y).backward()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return model_state_bytes(net, optimizer)
+    return training_state_bytes(net, optimizer)
 
 
 class GatedNet(nn.Module):
