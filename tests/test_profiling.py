@@ -1,0 +1,336 @@
+"""common.profiling: a real 2-rank gloo DDP run profiled into one trace per rank, read back step by step; hand-made
+traces (CPU and GPU style) whose intervals are worked out by hand; the settings check; the bottleneck's name."""
+
+import gzip
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import profiling
+from common.data import ConfigurationError
+from common.ddp_by_hand import assign_buckets
+from common.launch import run_on_ranks
+from common.profiling import (
+    REGIONS,
+    StepRegions,
+    bottleneck,
+    check_profile_settings,
+    hta_breakdown,
+    key_averages_table,
+    load_trace,
+    mean_breakdown,
+    plot_breakdown,
+    step_breakdowns,
+    training_profiler,
+)
+
+WAIT, WARMUP, ACTIVE, STEPS = 1, 1, 3, 6
+PROFILED = slice(WAIT + WARMUP, WAIT + WARMUP + ACTIVE)  # the steps the trace holds, as StepRegions numbers them
+BUCKET_CAP_MB = 0.25  # one 256x256 float32 weight: the model below gets 3 buckets
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 256),
+        nn.ReLU(),
+        nn.Linear(256, 256),
+        nn.ReLU(),
+        nn.Linear(256, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
+    )
+
+
+def profiled_training(env, trace_dir) -> dict:
+    """The lesson's loop: DDP on gloo, every step in StepRegions' labels, the profiler recording steps 2 to 4."""
+    net = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(env.rank)
+    regions = StepRegions(env.device)
+    trace_dir = check_profile_settings(trace_dir, WAIT, WARMUP, ACTIVE, steps_available=STEPS)
+    profiler = training_profiler(trace_dir, env.rank, WAIT, WARMUP, ACTIVE, env.device)
+    with profiler:
+        for _ in range(STEPS):
+            with regions("data"):
+                X, y = torch.randn(32, 64, generator=generator), torch.randint(0, 10, (32,), generator=generator)
+            with regions("forward"):
+                loss = F.cross_entropy(net(X), y)
+            with regions("backward"):
+                loss.backward()
+            with regions("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            regions.end_step()
+            profiler.step()
+    return {
+        "trace": str(trace_dir / f"rank{env.rank}.json"),
+        "rows": regions.rows,
+        "table": key_averages_table(profiler, env.device),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    trace_dir = tmp_path_factory.mktemp("traces")
+    results = run_on_ranks(profiled_training, 2, str(trace_dir), timeout=90)
+    for result in results:
+        result["breakdowns"] = step_breakdowns(load_trace(result["trace"]))
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_one_trace_per_rank_with_gloo_spans_and_our_four_labels_in_every_profiled_step(runs):
+    assert [result["trace"].rsplit("/", 1)[-1] for result in runs] == ["rank0.json", "rank1.json"]
+    for rank, result in enumerate(runs):
+        trace = load_trace(result["trace"])
+        assert trace["distributedInfo"]["rank"] == rank  # what HTA reads a trace's rank from
+        names = [event.get("name") for event in trace["traceEvents"]]
+        assert names.count("gloo:all_reduce") >= ACTIVE
+        assert len(result["breakdowns"]) == ACTIVE  # one data/forward/backward/optimizer group per recorded step
+        for row in result["breakdowns"]:
+            assert row["device"] == "cpu"
+            assert all(row[f"{name}_ms"] > 0 for name in REGIONS)
+
+
+@pytest.mark.timeout(120)
+def test_all_reduces_per_step_equal_ddps_bucket_count(runs):
+    # DDP rebuilds its buckets after step 1 in gradient arrival order, reverse parameters(): assign_buckets' rule.
+    buckets = assign_buckets(list(make_model().parameters()), int(BUCKET_CAP_MB * 2**20))
+    assert len(buckets) == 3
+    for result in runs:
+        assert [row["all_reduces"] for row in result["breakdowns"]] == [len(buckets)] * ACTIVE
+
+
+@pytest.mark.timeout(120)
+def test_the_parts_add_up_to_the_step_and_communication_is_measured(runs):
+    for result in runs:
+        for row in result["breakdowns"]:
+            parts = sum(row[f"{name}_ms"] for name in REGIONS) + row["other_ms"]
+            assert parts == pytest.approx(row["step_ms"], rel=1e-9)
+            assert 0 <= row["other_ms"] < row["step_ms"]  # the labels follow each other inside the step
+            assert row["communication_ms"] > 0
+            assert 0 <= row["exposed_communication_ms"] <= row["communication_ms"]
+            assert row["overlap"] == pytest.approx(1 - row["exposed_communication_ms"] / row["communication_ms"])
+            assert row["communication_ms"] <= row["step_ms"]
+
+
+@pytest.mark.timeout(120)
+def test_the_traces_step_time_matches_the_wall_clock_of_the_same_steps(runs):
+    # StepRegions' step also holds the loop between steps (end_step, profiler.step()), which the trace's
+    # data-to-optimizer window leaves out: 10% and 0.5 ms allow for it on a busy 2-core machine.
+    for result in runs:
+        wall = mean_breakdown(result["rows"][PROFILED])
+        traced = mean_breakdown(result["breakdowns"])
+        assert traced["step_ms"] == pytest.approx(wall["step_ms"], rel=0.10, abs=0.5)
+        assert traced["step_ms"] <= 1.01 * wall["step_ms"]  # the trace's window lies inside the wall-clock step
+        assert traced["backward_ms"] == pytest.approx(wall["backward_ms"], rel=0.05, abs=0.2)
+
+
+@pytest.mark.timeout(120)
+def test_key_averages_table_sorts_by_self_cpu_time_on_a_cpu(runs):
+    table = runs[0]["table"]
+    assert "Self CPU" in table and "aten::" in table
+    assert "c10d::allreduce_" in table or "aten::addmm" in table
+
+
+@pytest.mark.timeout(120)
+def test_hta_refuses_cpu_traces_with_a_clear_message(runs, tmp_path):
+    with pytest.raises(ValueError, match="HTA analyses GPU traces; use step_breakdowns for CPU/gloo"):
+        hta_breakdown(runs[0]["trace"].rsplit("/", 1)[0])
+    with pytest.raises(ValueError, match="no trace"):
+        hta_breakdown(tmp_path)
+
+
+def event(name, cat, ts, dur, tid=1, pid=1, **args) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def labels(start, durations, tid=1) -> list[dict]:
+    """Our four labels one after the other from ``start``, with the given durations (us); a 0 leaves one out."""
+    out, ts = [], start
+    for name, dur in zip(REGIONS, durations):
+        if dur:
+            out.append(event(name, "user_annotation", ts, dur, tid))
+        ts += dur
+    return out
+
+
+def test_a_hand_made_cpu_trace_gives_the_intervals_worked_out_by_hand():
+    events = [
+        # step 1, 0-100 us; a gap of 2 us after forward (10 + 18 + 2)
+        *labels(0, (10, 18, 0, 0)),
+        *labels(30, (0, 0, 60, 10)),
+        event("aten::addmm", "cpu_op", 12, 16),
+        event("autograd::engine::evaluate_function: AddmmBackward0", "cpu_op", 32, 18),
+        event("c10d::allreduce_", "cpu_op", 45, 3),  # inside its parent: that parent counts as computation
+        event("c10d::allreduce_", "cpu_op", 52, 3),  # alone: an enqueue, not computation
+        event("AddmmBackward0", "cpu_op", 55, 15),
+        event("aten::add_", "cpu_op", 91, 8),
+        event("gloo:all_reduce", "user_annotation", 46, 14, tid=2),  # two gloo threads: union 46-80
+        event("gloo:all_reduce", "user_annotation", 56, 24, tid=3),
+        event("aten::copy_", "cpu_op", 60, 20, tid=2),  # not the main thread: not computation
+        event("gloo:all_reduce", "user_annotation", 95, 30, tid=2),  # 95-125 straddles steps 1 and 2
+        # step 2, 100-160 us; then a step the profiler cut short, which is no step
+        *labels(100, (10, 10, 30, 10)),
+        event("aten::mm", "cpu_op", 120, 2),
+        *labels(170, (5, 5, 0, 0)),
+    ]
+    first, second = step_breakdowns({"traceEvents": events})
+    # step 1: communication 46-80 and 95-100 = 39 us; computation covers 46-50, 55-70 and 95-99 = 23 us of it
+    assert first == pytest.approx(
+        {
+            "step_ms": 0.100,
+            "data_ms": 0.010,
+            "forward_ms": 0.018,
+            "backward_ms": 0.060,
+            "optimizer_ms": 0.010,
+            "other_ms": 0.002,
+            "communication_ms": 0.039,
+            "exposed_communication_ms": 0.016,
+            "overlap": 23 / 39,
+            "all_reduces": 2,
+            "device": "cpu",
+        }
+    )
+    # step 2: communication 100-125 = 25 us, computation 120-122 covers 2 us of it
+    assert second["step_ms"] == pytest.approx(0.060) and second["other_ms"] == pytest.approx(0)
+    assert second["communication_ms"] == pytest.approx(0.025)
+    assert second["exposed_communication_ms"] == pytest.approx(0.023)
+    assert second["all_reduces"] == 0
+    mean = mean_breakdown([first, second])
+    assert mean["steps"] == 2 and mean["step_ms"] == pytest.approx(0.080)
+    assert mean["overlap"] == pytest.approx(1 - 0.0195 / 0.032)  # from the means, not a mean of ratios
+
+
+def gpu_trace() -> dict:
+    """One step whose optimizer kernel ends 4 us after its label; NCCL on a stream of its own."""
+    kernel = dict(cat="kernel", pid=0, device=0)
+    events = [
+        *labels(0, (10, 20, 50, 20)),
+        *(
+            event(name, "cpu_op", ts, 2, correlation=i)
+            for i, (name, ts) in enumerate(
+                [("aten::mm", 11), ("aten::mm", 31), ("c10d::allreduce_", 40), ("aten::add_", 81)]
+            )
+        ),
+        event("gemm_kernel", ts=12, dur=16, tid=7, stream=7, correlation=0, **kernel),
+        event("gemm_kernel", ts=35, dur=25, tid=7, stream=7, correlation=1, **kernel),
+        event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", ts=50, dur=40, tid=20, stream=20, correlation=2, **kernel),
+        event("sgd_kernel", ts=85, dur=19, tid=7, stream=7, correlation=3, **kernel),
+    ]
+    return {
+        "schemaVersion": 1,
+        "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": 1},
+        "traceEvents": events,
+    }
+
+
+def test_a_hand_made_gpu_trace_gives_the_intervals_worked_out_by_hand_and_hta_agrees(tmp_path):
+    (row,) = step_breakdowns(gpu_trace())
+    # The step ends with its last kernel, at 104 us. NCCL runs 50-90 (40 us); other kernels cover 50-60 and 85-90.
+    assert row == pytest.approx(
+        {
+            "step_ms": 0.104,
+            "data_ms": 0.010,
+            "forward_ms": 0.020,
+            "backward_ms": 0.050,
+            "optimizer_ms": 0.020,
+            "other_ms": 0.004,
+            "communication_ms": 0.040,
+            "exposed_communication_ms": 0.025,
+            "overlap": 15 / 40,
+            "all_reduces": 1,
+            "device": "cuda",
+        }
+    )
+    (tmp_path / "rank0.json").write_text(json.dumps(gpu_trace()))
+    with gzip.open(tmp_path / "compressed.json.gz", "wt") as file:  # read back as it was written
+        json.dump(gpu_trace(), file)
+    assert load_trace(tmp_path / "compressed.json.gz") == load_trace(tmp_path / "rank0.json") == gpu_trace()
+    (tmp_path / "compressed.json.gz").unlink()  # HTA reads every trace in the folder: one per rank
+    hta = hta_breakdown(tmp_path)
+    assert hta[0]["comp_comm_overlap_pctg"] == pytest.approx(100 * row["overlap"], abs=0.01)
+    assert hta[0]["compute_time(us)"] == 16 + 25 + 19
+
+
+@pytest.mark.parametrize(
+    ("wait", "warmup", "active", "steps", "message"),
+    [
+        (1, 1, 0, 10, "at least 1 step"),
+        (-1, 1, 3, 10, "cannot be < 0"),
+        (1, -1, 3, 10, "cannot be < 0"),
+        (2, 1, 3, 5, "needs 6 steps .* has only 5: lower --profile-steps or raise --max-batches-per-epoch/--epochs"),
+    ],
+)
+def test_check_profile_settings_refuses_settings_that_leave_no_trace(tmp_path, wait, warmup, active, steps, message):
+    with pytest.raises(ConfigurationError, match=message):
+        check_profile_settings(tmp_path / "traces", wait, warmup, active, steps)
+    assert not (tmp_path / "traces").exists()  # refused before anything was created
+
+
+def test_check_profile_settings_refuses_a_file_and_an_unwritable_folder_and_creates_a_good_one(tmp_path):
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    with pytest.raises(ConfigurationError, match="is a file"):
+        check_profile_settings(a_file, 1, 1, 3, 5)
+    with pytest.raises(ConfigurationError, match="cannot write traces"):
+        check_profile_settings(a_file / "traces", 1, 1, 3, 5)  # cannot be created under a file
+    assert check_profile_settings(tmp_path / "a" / "b", 1, 1, 3, 5) == tmp_path / "a" / "b"
+    assert list((tmp_path / "a" / "b").iterdir()) == []  # the write probe is gone
+
+
+def test_step_regions_times_each_region_and_the_whole_step(monkeypatch):
+    clock = iter([0.0, 0.001, 0.001, 0.004, 0.004, 0.010, 0.010, 0.011, 0.012])
+    now = {"t": 0.0}
+
+    def fake_perf_counter():
+        now["t"] = next(clock, now["t"])
+        return now["t"]
+
+    monkeypatch.setattr(profiling, "perf_counter", fake_perf_counter)
+    regions = StepRegions("cpu", skip_steps=0)
+    for name in REGIONS:  # data 0-1 ms, forward 1-4, backward 4-10, optimizer 10-11, end_step at 12
+        with regions(name):
+            pass
+    regions.end_step()
+    assert regions.rows == [
+        pytest.approx(
+            {"data_ms": 1, "forward_ms": 3, "backward_ms": 6, "optimizer_ms": 1, "step_ms": 12, "other_ms": 1}
+        )
+    ]
+    assert regions.summary()["steps"] == 1
+    with pytest.raises(ValueError, match="unknown region"):
+        with regions("loss"):
+            pass
+
+
+def test_step_regions_summary_leaves_out_the_first_steps():
+    regions = StepRegions("cpu")  # skip_steps=1
+    regions.rows = [
+        {"data_ms": 9.0, "step_ms": 20.0},
+        {"data_ms": 1.0, "step_ms": 4.0},
+        {"data_ms": 3.0, "step_ms": 6.0},
+    ]
+    assert regions.summary() == {"data_ms": 2.0, "step_ms": 5.0, "steps": 2}
+    with pytest.raises(ValueError, match="no step to summarize"):
+        StepRegions("cpu", skip_steps=3).summary()
+
+
+def test_bottleneck_names_the_largest_of_data_exposed_communication_and_compute():
+    step = {"step_ms": 10.0, "forward_ms": 1.0, "backward_ms": 1.0, "optimizer_ms": 1.0}
+    assert bottleneck({**step, "data_ms": 6.0, "exposed_communication_ms": 1.0}) == "data loading"
+    assert bottleneck({**step, "data_ms": 1.0, "exposed_communication_ms": 6.0}) == "communication"
+    assert bottleneck({**step, "data_ms": 1.0, "exposed_communication_ms": 3.0}) == "compute"  # 6 ms compute
+    assert bottleneck({**step, "data_ms": 4.0}) == "compute"  # StepRegions.summary(): no communication key
+    assert bottleneck({**step, "data_ms": 6.0}) == "data loading"
+
+
+def test_plot_breakdown_writes_a_png(runs, tmp_path):
+    rows = {f"rank {rank}": mean_breakdown(result["breakdowns"]) for rank, result in enumerate(runs)}
+    plot_breakdown(rows, tmp_path / "plots" / "breakdown.png")
+    assert (tmp_path / "plots" / "breakdown.png").read_bytes().startswith(b"\x89PNG")
