@@ -80,10 +80,10 @@ class StepRegions:
 
     def summary(self) -> dict:
         """Mean milliseconds per step of each region, ``step_ms`` and ``other_ms``, over the steps after the first
-        ``skip_steps``; ``steps`` says how many."""
-        rows = self.rows[self.skip_steps :]
+        ``skip_steps`` (over every step while there are no more); ``steps`` says how many."""
+        rows = self.rows[self.skip_steps :] or self.rows
         if not rows:
-            raise ValueError(f"no step to summarize: {len(self.rows)} recorded, the first {self.skip_steps} skipped")
+            raise ValueError("no step to summarize: call end_step() after each step")
         return mean_breakdown(rows)
 
 
@@ -185,11 +185,14 @@ def step_breakdowns(trace: dict) -> list[dict]:
         row = {"step_ms": (end - start) / 1000}
         row.update({f"{event['name']}_ms": event["dur"] / 1000 for event in step})
         row["other_ms"] = row["step_ms"] - sum(event["dur"] for event in step) / 1000
+        # BEGIN LAB: communication in the step, the part no computation hid
+        # _clip to the step, _union the intervals, _covered: how much of one union lies inside another
         communicating = _union(_clip(communication, start, end))
         hidden = _covered(communicating, _union(_clip(computation, start, end)))
         row["communication_ms"] = _length(communicating) / 1000
         row["exposed_communication_ms"] = (_length(communicating) - hidden) / 1000
         row["overlap"] = hidden / _length(communicating) if communicating else None
+        # END LAB
         row["all_reduces"] = sum(start <= ts < end for ts in all_reduce_starts)
         row["device"] = "cuda" if on_gpu else "cpu"
         rows.append(row)

@@ -309,7 +309,7 @@ def test_step_regions_times_each_region_and_the_whole_step(monkeypatch):
             pass
 
 
-def test_step_regions_summary_leaves_out_the_first_steps():
+def test_step_regions_summary_leaves_out_the_first_steps_when_there_are_more():
     regions = StepRegions("cpu")  # skip_steps=1
     regions.rows = [
         {"data_ms": 9.0, "step_ms": 20.0},
@@ -317,8 +317,10 @@ def test_step_regions_summary_leaves_out_the_first_steps():
         {"data_ms": 3.0, "step_ms": 6.0},
     ]
     assert regions.summary() == {"data_ms": 2.0, "step_ms": 5.0, "steps": 2}
+    regions.rows = regions.rows[:1]  # a run of one step: nothing after the skip, so that step
+    assert regions.summary() == {"data_ms": 9.0, "step_ms": 20.0, "steps": 1}
     with pytest.raises(ValueError, match="no step to summarize"):
-        StepRegions("cpu", skip_steps=3).summary()
+        StepRegions("cpu").summary()
 
 
 def test_bottleneck_names_the_largest_of_data_exposed_communication_and_compute():
