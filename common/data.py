@@ -171,12 +171,18 @@ def make_loader(
     seed: int = 0,
     num_workers: int = 0,
     pin_memory: bool = False,
+    persistent_workers: bool | None = None,
+    prefetch_factor: int | None = None,
 ):
     """A loader over this rank's shard of ``dataset``, ``batch_size`` samples per batch on this rank.
 
     Training shuffles with ``seed``; call ``loader.sampler.set_epoch(epoch)`` every epoch, or every epoch
     repeats the same order. ``DistributedSampler`` pads the data set with repeated samples so that it divides
     by the world size: use ``common.metrics.evaluate`` for test metrics, which drops the padding.
+
+    With ``num_workers > 0``: ``persistent_workers`` keeps the worker processes from one epoch to the next
+    (``None``: kept, as without the option); ``prefetch_factor`` is how many batches each worker loads ahead
+    (``None``: DataLoader's default, 2). Lesson 09 takes these options one by one (``common.data_loading``).
     """
     if batch_size < 1:
         raise ConfigurationError(f"error: the batch size must be at least 1, got {batch_size}")
@@ -195,7 +201,9 @@ def make_loader(
         sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        persistent_workers=num_workers > 0,
+        persistent_workers=num_workers > 0 if persistent_workers is None else persistent_workers,
+        # DataLoader refuses a prefetch_factor without workers: there is no one to prefetch
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
         generator=generator,
     )
 
