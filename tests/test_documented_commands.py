@@ -41,14 +41,24 @@ drill = load_script(REPO / "benchmarks" / "restart_drill.py")
 docstring_commands, joined_lines = drill.docstring_commands, drill.joined_lines
 
 LINKED = ("solutions", "labs", "scripts", "benchmarks", "common")
-# Appended where the script accepts them, to keep the runs short: one epoch of 2 batches, 2 timed steps, 1 round.
-QUICK = {"--epochs": "1", "--max-batches-per-epoch": "2", "--steps": "2", "--rounds": "1", "--iterations": "2"}
+# Appended where the script accepts them, to keep the runs short: one epoch of 2 batches, 2 timed steps, 1 round;
+# and a profiler schedule that fits 2 steps (warm up 1, record 1).
+QUICK = {
+    "--epochs": "1",
+    "--max-batches-per-epoch": "2",
+    "--steps": "2",
+    "--rounds": "1",
+    "--iterations": "2",
+    "--profile-wait": "0",
+    "--profile-steps": "1",
+}
 TIMEOUT = 240  # seconds per command; the two-node fault drill, the slowest, takes about a minute on 2 cores
 
 FOUR_GPUS = "written for a machine with 4 GPUs (NCCL)"
 MEASURES = "a benchmark, which measures for minutes by design"
 # These cost a minute each here, and the lab test runs the very same launch and settings, in folders of its own.
 SAME_LAUNCH = "the same rehearsal, with the same settings and its own folders, runs in tests/labs/test_05_multi_node.py"
+SAME_PROFILE = "the same launch, for fewer batches, runs in tests/labs/test_06_profiling.py (and checks what it prints)"
 SMALL_PRECISION = (
     "tests/test_benchmarks.py::test_the_mixed_precision_benchmark_prints_a_row_per_precision_and_"
     "bf16_saves_less_for_backward runs it on small settings (a drill of make test-slow)"
@@ -56,6 +66,16 @@ SMALL_PRECISION = (
 # Each reason hangs under its command, which the formatter would not keep.
 # fmt: off
 NOT_RUN = {
+    "torchrun --standalone --nproc_per_node=4 solutions/06_profiling.py --model simplecnn --dataset cifar10 "
+    "--memory-snapshot snapshot.pickle": f"{FOUR_GPUS}; it also downloads CIFAR-10",
+    "torchrun --standalone --nproc_per_node=2 solutions/06_profiling.py --dataset digits --decode-png "
+    "--read-latency-ms 2 --num-workers 0": SAME_PROFILE,
+    "torchrun --standalone --nproc_per_node=2 solutions/06_profiling.py --dataset digits --decode-png "
+    "--read-latency-ms 2 --num-workers 6 --prefetch-factor 4": SAME_PROFILE,
+    "torchrun --standalone --nproc_per_node=2 solutions/06_profiling.py --dataset digits --model mlp "
+    "--bucket-cap-mb 1 --tensorboard runs/profiling": SAME_PROFILE,
+    "tensorboard --logdir runs/profiling":
+        "a web server that runs until stopped; tests/labs/test_06_profiling.py reads the same event files back",
     "torchrun --standalone --nproc_per_node=4 solutions/01_ddp_basic.py":
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twin (--dataset digits) runs here",
     "torchrun --standalone --nproc_per_node=4 solutions/02_gradient_accumulation.py --grad-accum-steps 8 "

@@ -86,8 +86,8 @@ def loader_run(tmp_path, *loader_options):
     metrics = tmp_path / "metrics.json"
     run = torchrun(
         lab_path(LAB),
-        *("--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "8", "--batch-size", "32"),
-        *("--decode-png", "--read-latency-ms", "1", "--data-dir", tmp_path / "data", "--trace-dir", tmp_path / "t"),
+        *("--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "6"),
+        *("--decode-png", "--read-latency-ms", "2", "--data-dir", tmp_path / "data", "--trace-dir", tmp_path / "t"),
         *("--metrics-file", metrics, *loader_options),
         nproc=2,
         timeout=180,
@@ -98,10 +98,10 @@ def loader_run(tmp_path, *loader_options):
 
 @pytest.mark.timeout(400)
 def test_the_analysis_names_the_starving_loader_and_not_the_fixed_one(tmp_path):
-    starving = loader_run(tmp_path, "--num-workers", "0")
+    starving = loader_run(tmp_path, "--num-workers", "0")  # the docstring's commands, for 6 batches
     assert starving["timing_bottleneck"] == "data loading"
     assert starving["trace_bottleneck"] == "data loading"
-    fixed = loader_run(tmp_path, "--num-workers", "4", "--prefetch-factor", "4")
+    fixed = loader_run(tmp_path, "--num-workers", "6", "--prefetch-factor", "4")  # as the docstring
     assert fixed["timing_bottleneck"] != "data loading"
     assert fixed["timing"]["data_ms"] < starving["timing"]["data_ms"] / 3
 
