@@ -1,14 +1,34 @@
-"""Throughput of solutions/01_ddp_basic.py at several process counts, same batch size per process.
+"""Throughput of solutions/01_ddp_basic.py at several process counts (weak and strong scaling), and its all-reduces.
 
-    python benchmarks/ddp_scaling.py                                   # 1 and 2 processes, synthetic data
+    python benchmarks/ddp_scaling.py --mode both --plot runs/ddp_scaling.png   # 1 and 2 processes, synthetic data
     python benchmarks/ddp_scaling.py --nproc 1 2 4 --dataset digits --epochs 5
     python benchmarks/ddp_scaling.py --nproc 1 2 4 8 --cpu --threads 1     # gloo on CPU cores, one thread each
 
 Each count runs under ``torchrun --standalone``; the figures come from the metrics file that global rank 0
 writes. The first epoch is left out of the throughput (start-up, first-touch allocations) when there are more.
-On a CPU the processes share the same cores, so expect little or no speed-up there: the table says what it is.
 ``--cpu`` hides the GPUs (gloo on CPU even where GPUs exist); ``--threads N`` gives every process N intra-op
 threads at every count (torchrun sets 1 only for several processes, so one process would otherwise use them all).
+
+- weak scaling (``--mode weak``, the default): ``--batch-size`` per process at every count, so N processes
+  train on N times the samples per step. Efficiency = samples/s at N / (N x samples/s at 1).
+- strong scaling (``--mode strong``): the global batch stays ``--batch-size``, each of N processes takes
+  ``--batch-size / N`` (it must divide). Efficiency = speed-up / N, the speed-up being time at 1 / time at N.
+
+Then the communication (``common/scaling.py``): at every count above 1, one more torchrun launch times
+``dist.all_reduce`` at sizes from 4 B to 16 MiB and fits t(n) = alpha + beta n; the model's DDP buckets (DDP's
+default cap) give the predicted all-reduce time per step, beside "measured, buckets alone": the same all-reduces
+timed back to back with nothing else running (inside a real step, where backward overlaps and competes with
+them, the communication is read from a profiler trace: lesson 09). A last table splits each step's time into
+that predicted communication and the rest (compute, data), against the ideal, and names the limit.
+
+What the CPU figures mean: the processes share the machine's cores. N processes on fewer than N cores (or N
+processes of several threads each on N cores) cannot run their compute in parallel, so the step's compute slows
+down as N grows, whatever the communication costs: on 2 cores expect at most 2x in samples/s, and less, since one
+process alone uses both cores (torchrun gives each of several processes 1 thread; ``--threads 1`` gives the
+1-process run 1 too). gloo's all-reduce between local processes is memory copies and local sockets on those
+same cores, not NVLink or InfiniBand: alpha and beta describe this machine, not a GPU cluster. The predicted
+all-reduce time is what a step's buckets cost with nothing overlapping them; DDP overlaps them with backward, so
+they add less than that, but on a CPU they also take cores from backward: read it as a scale, not an exact share.
 """
 
 import argparse
@@ -18,10 +38,43 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from common.cli import argument_parser, positive_int
+from common.distributed import process_group
 from common.launch import REPO, torchrun_command
+from common.metrics import write_json
+from common.models import MODELS
+from common.scaling import (
+    bucket_bytes,
+    fit_alpha_beta,
+    plot_scaling,
+    predict_communication_seconds,
+    scaling_efficiency,
+    time_all_reduce,
+    time_bucket_all_reduces,
+)
+
+FIT_SIZES = [4**k for k in range(1, 13)]  # 4 B to 16 MiB, every fourfold: small sizes give alpha, large ones beta
 
 
-def measure(nproc: int, args) -> dict:
+def child_environment(args) -> dict:
+    """The environment of every launch: GPUs hidden under ``--cpu``, ``--threads`` intra-op threads."""
+    env = dict(os.environ)
+    if args.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    return env
+
+
+def run_quietly(command: list[str], args) -> None:
+    """Run a torchrun ``command`` with ``child_environment``; its output is shown only if it fails."""
+    run = subprocess.run(command, capture_output=True, text=True, env=child_environment(args))
+    if run.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited with status {run.returncode}:\n{run.stderr[-3000:]}")
+
+
+def measure(nproc: int, batch_size: int, args) -> dict:
+    """Train solutions/01_ddp_basic.py on ``nproc`` processes with ``batch_size`` per process; its figures."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics_file = Path(tmp) / "metrics.json"
         command = torchrun_command(
@@ -33,67 +86,241 @@ def measure(nproc: int, args) -> dict:
             "--epochs",
             args.epochs,
             "--batch-size",
-            args.batch_size,
+            batch_size,
             "--metrics-file",
             metrics_file,
             nproc=nproc,
         )
-        env = dict(os.environ)
-        if args.cpu:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        if args.threads:
-            env["OMP_NUM_THREADS"] = str(args.threads)
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        run_quietly(command, args)
         metrics = json.loads(metrics_file.read_text())
     epochs = metrics["history"][1:] or metrics["history"]
+    samples_per_second = sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs)
     return {
         "nproc": nproc,
         "backend": metrics["backend"],
         "device": metrics["device"],
-        "samples_per_second": sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs),
+        "batch_size_per_process": batch_size,
+        "samples_per_second": samples_per_second,
+        "step_seconds": batch_size * nproc / samples_per_second,  # one optimizer step: the global batch
         "accuracy": metrics["final_test_accuracy"],
     }
 
 
+def measure_communication(nproc: int, args) -> dict:
+    """The alpha-beta fit of ``dist.all_reduce`` on ``nproc`` processes, and the model's buckets: predicted and
+    measured alone. One torchrun launch of this script with ``--fit-only``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "communication.json"
+        command = torchrun_command(
+            REPO / "benchmarks/ddp_scaling.py",
+            "--model",
+            args.model,
+            "--iterations",
+            args.iterations,
+            "--fit-only",
+            result_file,
+            nproc=nproc,
+        )
+        run_quietly(command, args)
+        measured = json.loads(result_file.read_text())
+    fit = fit_alpha_beta(measured["sizes_bytes"], measured["seconds"])
+    return {
+        "nproc": nproc,
+        **measured,
+        **fit,
+        "predicted_s": predict_communication_seconds(measured["bucket_bytes"], fit),
+    }
+
+
+def fit_only(args):
+    """Under torchrun: time the all-reduces of ``FIT_SIZES`` and of the model's buckets; rank 0 writes them."""
+    with process_group("auto") as env:  # NCCL where every process has a GPU, as solutions/01_ddp_basic.py picks
+        buckets = bucket_bytes(MODELS[args.model](), bucket_cap_mb=None)  # 01 leaves DDP's bucket_cap_mb alone
+        seconds = time_all_reduce(FIT_SIZES, args.iterations, env.device)
+        buckets_alone = time_bucket_all_reduces(buckets, args.iterations, env.device)
+        write_json(
+            args.fit_only,
+            {
+                "backend": env.backend,
+                "sizes_bytes": FIT_SIZES,
+                "seconds": seconds,
+                "bucket_bytes": buckets,
+                "buckets_alone_s": buckets_alone,
+            },
+        )
+
+
+def per_process_batch(mode: str, nproc: int, batch_size: int) -> int:
+    """Weak scaling keeps ``batch_size`` per process; strong scaling splits it over the processes."""
+    return batch_size if mode == "weak" else batch_size // nproc
+
+
+def cores_used(nproc: int, args) -> tuple[str, int, int]:
+    """How ``nproc`` processes and their threads share the cores: a phrase, the threads in all, the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    # torchrun sets OMP_NUM_THREADS=1 for several processes only; one process alone takes a thread per core
+    threads = int(args.threads or os.environ.get("OMP_NUM_THREADS") or (1 if nproc > 1 else cores))
+    return f"{nproc} process(es) x {threads} thread(s) on {cores} core(s)", nproc * threads, cores
+
+
 def main(args):
+    if args.fit_only:
+        return fit_only(args)
     threads = f"{args.threads} thread(s) per process" if args.threads else "torchrun's threads per process"
     setup = (
-        f"solutions/01_ddp_basic.py --dataset {args.dataset} --model {args.model} --epochs {args.epochs} "
-        f"--batch-size {args.batch_size} (per process); {threads}{'; GPUs hidden' if args.cpu else ''}"
+        f"solutions/01_ddp_basic.py --dataset {args.dataset} --model {args.model} --epochs {args.epochs}; "
+        f"{threads}{'; GPUs hidden' if args.cpu else ''}"
     )
     print(setup)
-    print(
-        f"{'processes':>9} {'backend':>7} {'device':>7} {'samples/s':>10} {'speed-up':>8} {'efficiency':>10} "
-        f"{'test acc':>8}"
-    )
-    baseline = None
-    rows = []
-    for nproc in args.nproc:
-        row = measure(nproc, args)
-        rows.append(row)
-        baseline = baseline or row["samples_per_second"] / row["nproc"]
-        speedup = row["samples_per_second"] / baseline
+    modes = ["weak", "strong"] if args.mode == "both" else [args.mode]
+    counts = sorted(set(args.nproc))  # the smallest first: it is every speed-up's baseline
+    measured = {}  # (nproc, batch per process) -> row: the 1-process run is the same in both modes
+    rows_by_mode = {}
+    for mode in modes:
+        what = "per process at every count" if mode == "weak" else "in all, split over the processes"
+        print(f"\n{mode} scaling: a batch of {args.batch_size} {what}")
         print(
-            f"{nproc:>9} {row['backend']:>7} {row['device']:>7} {row['samples_per_second']:>10,.0f} "
-            f"{speedup:>7.2f}x {speedup / nproc:>10.0%} {row['accuracy']:>8.2%}",
-            flush=True,
+            f"{'processes':>9} {'backend':>7} {'device':>7} {'samples/s':>10} {'speed-up':>8} {'efficiency':>10} "
+            f"{'test acc':>8} {'batch/process':>13}"
         )
-        row.update(speedup=speedup, efficiency=speedup / nproc)
+        rows = []
+        for nproc in counts:
+            batch_size = per_process_batch(mode, nproc, args.batch_size)
+            if (nproc, batch_size) not in measured:
+                measured[(nproc, batch_size)] = measure(nproc, batch_size, args)
+            rows.append(measured[(nproc, batch_size)])
+            row = scaling_efficiency(rows, mode)[-1]
+            print(
+                f"{nproc:>9} {row['backend']:>7} {row['device']:>7} {row['samples_per_second']:>10,.0f} "
+                f"{row['speedup']:>7.2f}x {row['efficiency']:>10.0%} {row['accuracy']:>8.2%} {batch_size:>13}",
+                flush=True,
+            )
+        rows_by_mode[mode] = scaling_efficiency(rows, mode)
+
+    communication = {nproc: measure_communication(nproc, args) for nproc in counts if nproc > 1}
+    print_communication(communication, args)
+    print_limits(rows_by_mode, communication, args)
+    if args.plot:
+        plot_scaling(rows_by_mode, args.plot, f"DDP, {args.model} on {args.dataset}")
+        print(f"\nplot: {args.plot}")
     if args.json:
-        args.json.write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
+        all_rows = [row for rows in rows_by_mode.values() for row in rows]
+        args.json.write_text(
+            json.dumps({"setup": setup, "rows": all_rows, "communication": list(communication.values())}, indent=2)
+        )
+
+
+def print_communication(communication: dict, args):
+    """The alpha-beta fit at each count, and the buckets' all-reduce time per step: predicted and measured alone."""
+    if not communication:
+        return
+    buckets = next(iter(communication.values()))["bucket_bytes"]
+    print(
+        f"\ndist.all_reduce, fitted t(n) = alpha + beta n over {FIT_SIZES[0]} B to {FIT_SIZES[-1] // 2**20} MiB "
+        f"(median of {args.iterations}); {args.model}'s {len(buckets)} DDP bucket(s): "
+        f"{', '.join(f'{size:,}' for size in buckets)} bytes"
+    )
+    print(
+        f"{'processes':>9} {'backend':>7} {'alpha ms':>9} {'1/beta GB/s':>11} {'predicted ms/step':>17} "
+        f"{'measured, buckets alone ms/step':>31}"
+    )
+    for nproc, row in communication.items():
+        print(
+            f"{nproc:>9} {row['backend']:>7} {row['alpha_s'] * 1e3:>9.3f} {row['bandwidth_gb_s']:>11.2f} "
+            f"{row['predicted_s'] * 1e3:>17.3f} {row['buckets_alone_s'] * 1e3:>31.3f}"
+        )
+
+
+def print_limits(rows_by_mode: dict, communication: dict, args):
+    """Each step's time against the ideal, split into predicted communication and the rest; the limit, named."""
+    print("\nwhere a step's time goes, ms (ideal: weak, the 1-process step; strong, the 1-process step / N)")
+    print(
+        f"{'mode':>6} {'processes':>9} {'step':>8} {'ideal':>8} {'all-reduce':>10} {'the rest':>8} "
+        f"{'rest/ideal':>10} {'efficiency':>10}"
+    )
+    findings = []
+    for mode, rows in rows_by_mode.items():
+        first = rows[0]
+        for row in rows:
+            nproc = row["nproc"]
+            # The smallest count taken as perfectly efficient: weak, the same step time; strong, N times faster.
+            ideal = first["step_seconds"] if mode == "weak" else first["step_seconds"] * first["nproc"] / nproc
+            comm = communication[nproc]["predicted_s"] if nproc in communication else 0.0
+            rest = row["step_seconds"] - comm
+            print(
+                f"{mode:>6} {nproc:>9} {row['step_seconds'] * 1e3:>8.2f} {ideal * 1e3:>8.2f} {comm * 1e3:>10.3f} "
+                f"{rest * 1e3:>8.2f} {rest / ideal:>9.2f}x {row['efficiency']:>10.0%}"
+            )
+            if nproc > 1:
+                findings.append(f"{mode} scaling, {nproc} processes: " + limit(row, ideal, comm, first, args))
+    if findings:
+        print("\n" + "\n".join(findings))
+
+
+def limit(row: dict, ideal: float, comm: float, first: dict, args) -> str:
+    """One count's efficiency and what held it back: the all-reduces (predicted) or the rest of the step."""
+    lost = row["step_seconds"] - ideal
+    efficiency = f"efficiency {row['efficiency']:.0%}"
+    if lost <= 0:
+        return (
+            f"{efficiency}, at or above the ideal: the {first['nproc']}-process baseline was slower per process "
+            "(on a CPU, one process's several threads scale worse than one-thread processes; --threads 1 gives "
+            "every count the same threads)"
+        )
+    explained = min(comm, lost)
+    rest = (row["step_seconds"] - comm) / ideal
+    on_cpu = row["device"].startswith("cpu")
+    if explained >= lost - explained:
+        cause = "communication (fewer, larger buckets; overlap with backward; a faster link)"
+    elif on_cpu:
+        sharing, threads, cores = cores_used(row["nproc"], args)
+        baseline, baseline_threads, _ = cores_used(first["nproc"], args)
+        if threads > cores:
+            cause = f"the compute, which does not parallelise: {sharing} compete for the cores"
+        elif baseline_threads >= cores:
+            cause = f"the compute: the baseline ({baseline}) already used every core, more processes add none"
+        else:
+            cause = f"the compute outside the all-reduces ({sharing}: other load, memory bandwidth, data loading)"
+    else:
+        cause = "the compute and data loading outside the all-reduces"
+    return (
+        f"{efficiency}; of the {lost * 1e3:.2f} ms lost per step the all-reduces explain at most "
+        f"{explained * 1e3:.2f} ms ({comm / row['step_seconds']:.1%} of the step, predicted), the rest of the step "
+        f"runs {rest:.2f}x its ideal time: the limit is {cause}"
+    )
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser = argument_parser(__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=positive_int, nargs="+", default=[1, 2])
     parser.add_argument("--dataset", default="synthetic")
     parser.add_argument("--model", default="lenet")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=64, help="per process (weak), or global, split over N (strong)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=["weak", "strong", "both"],
+        default="weak",
+        help="weak: batch per process fixed; strong: global batch fixed",
+    )
+    parser.add_argument("--iterations", type=positive_int, default=10, help="timed all-reduces per size (median)")
     parser.add_argument("--cpu", action="store_true", help="hide the GPUs: gloo on CPU cores")
     parser.add_argument("--threads", type=int, help="intra-op threads per process (OMP_NUM_THREADS), at every count")
+    parser.add_argument("--plot", type=Path, help="plot speed-up and efficiency against the process count to this PNG")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
-    return parser.parse_args(argv)
+    parser.add_argument("--fit-only", type=Path, help=argparse.SUPPRESS)  # internal: the torchrun'd all-reduce timing
+    args = parser.parse_args(argv)
+    if args.mode in ("strong", "both"):
+        uneven = [nproc for nproc in args.nproc if args.batch_size % nproc]
+        if uneven:
+            parser.error(
+                f"--mode {args.mode}: strong scaling splits the global batch of --batch-size {args.batch_size} over "
+                f"the processes, and {args.batch_size} does not divide by {', '.join(map(str, uneven))} "
+                "(pick a batch size that every --nproc divides)"
+            )
+    return args
 
 
 if __name__ == "__main__":

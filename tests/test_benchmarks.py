@@ -14,9 +14,12 @@ def test_the_scaling_benchmark_prints_a_row_per_process_count():
         timeout=120,
     )
     assert run.returncode == 0, run.output
-    header, row = run.stdout.strip().splitlines()[-2:]
+    lines = run.stdout.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("processes")))  # the weak-scaling table
+    header, row = lines[at : at + 2]
     assert header.split()[:4] == ["processes", "backend", "device", "samples/s"]
-    assert row.split()[:3] == ["1", "gloo", "cpu"] and row.split()[4] == "1.00x"
+    assert row.split()[:3] == ["1", "gloo", "cpu"] and row.split()[4:6] == ["1.00x", "100%"]
+    assert lines[-1].split()[:2] == ["weak", "1"] and lines[-1].split()[-2:] == ["1.00x", "100%"]  # step vs ideal
 
 
 def test_the_accumulation_benchmark_counts_one_all_reduce_round_per_effective_step_under_no_sync():
