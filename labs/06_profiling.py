@@ -33,12 +33,15 @@ Every step runs in four labelled regions (data, forward, backward, optimizer): `
 in each rank's trace (open it at https://ui.perfetto.dev), and a wall clock times them at every step. Rank 0
 prints the profiler's costliest ops, each rank's step broken down from its trace (compute, communication, how
 much of it backward hid, all-reduces per step against lesson 08's bucket arithmetic), the bottleneck, device
-utilisation and memory from a background monitor, and peak memory per rank.
+utilisation and memory from a background monitor, and peak memory per rank. On GPUs rank 0 also prints Holistic
+Trace Analysis' view of every rank's trace (HTA, ``pip install holistictraceanalysis``; it reads GPU traces only).
 """
 
+import importlib.util
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -55,12 +58,14 @@ from common.profiling import (
     StepRegions,
     bottleneck,
     check_profile_settings,
+    hta_breakdown,
     key_averages_table,
     load_trace,
     mean_breakdown,
 )
 
 from common.training import TrainingHistory, finish_run, progress_bar, training_arguments
+
 # What the functions you write below use:
 from common.profiling import _clip, _covered, _interval, _is_communication, _length, _union
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -232,6 +237,8 @@ def train(args, env):
     report["monitor"] = monitor.summary()
     report["peak_memory_mib"] = peak_memory_mib(env.device)
     print_report(gather_summaries(report), profiler, env)
+    if env.device.type == "cuda":  # HTA reads GPU traces only
+        report["hta"] = hta_view(trace_dir, env)
     finish_run(net, history, args, profile=report, bucket_cap_mb=args.bucket_cap_mb)
 
 
@@ -296,6 +303,28 @@ def print_report(reports: list[dict], profiler, env) -> None:
             f"{report['peak_memory_mib']:,.0f} ({memory_kind(env.device)})"
         )
     print0(f"\ndevice monitor:\n{format_summaries([report['monitor'] for report in reports])}")
+
+
+def hta_view(trace_dir, env) -> dict | None:
+    """Holistic Trace Analysis of every rank's GPU trace in ``trace_dir``, printed and returned by rank 0 (None on
+    the other ranks, and where HTA is not installed): per rank, the share of the traced time its GPU sat idle, ran
+    compute kernels and ran other kernels (communication, copies), and how much of its communication overlapped
+    computation."""
+    dist.barrier()  # HTA reads every rank's trace: wait until all of them are written
+    if env.rank != 0:
+        return None
+    if importlib.util.find_spec("hta") is None:
+        print0("HTA not installed (pip install holistictraceanalysis): its view skipped")
+        return None
+    view = hta_breakdown(trace_dir)
+    print0("\nHolistic Trace Analysis of the traces (% of each GPU's traced time):")
+    print0("rank |   idle | compute | other kernels | communication overlapped by compute")
+    for rank, row in view.items():
+        print0(
+            f"{rank:>4} | {row['idle_time_pctg']:6.1f} | {row['compute_time_pctg']:7.1f} | "
+            f"{row['non_compute_time_pctg']:13.1f} | {row['comp_comm_overlap_pctg']:.1f}"
+        )
+    return view
 
 
 if __name__ == "__main__":

@@ -9,14 +9,17 @@ In this order, each part under a time limit so that the whole stays within ``--b
    few batches: pass/FAIL;
 2. ``benchmarks/mixed_precision.py``: SimpleCNN at batch 256 in fp32 (TF32 off), tf32, bf16 and fp16;
 3. ``benchmarks/fsdp_memory.py`` at world sizes 1, 2, 4, ... up to the GPUs: model state and CUDA peak per strategy;
-4. ``benchmarks/profile_ddp_step.py``: a Chrome trace of DDP steps and their costliest kernels;
+4. ``solutions/06_profiling.py`` on all the GPUs: a profile of DDP steps (costliest kernels, each rank's breakdown,
+   HTA's view), one Chrome trace per rank and a CUDA memory snapshot;
 5. the tests marked ``cuda`` (``pytest -m cuda``);
 6. ``benchmarks/ddp_scaling.py`` with gloo on the CPU cores (GPUs hidden), 1, 2, 4 and 8 processes, one thread each.
 
-It writes four files into the results folder: ``summary.md`` (versions, the pass/fail table and every benchmark's
-printed table), ``gpu_check.json`` (the same as data), ``logs.txt`` (everything the commands printed) and
-``ddp_step_trace.json.gz``. It installs nothing from the network: a package the machine lacks can be brought as
-wheels in ``.whl/`` (``--wheels``), installed into a temporary folder for this run only.
+It writes at most six files into the results folder: ``summary.md`` (versions, the pass/fail table and every
+benchmark's printed table), ``gpu_check.json`` (the same as data), ``logs.txt`` (everything the commands printed),
+``memory_snapshot.pickle`` (rank 0's CUDA allocations, for https://pytorch.org/memory_viz) and ``traces/rank0.json``,
+``traces/rank1.json`` (the traces of the other ranks are deleted once the profile has read them). It installs
+nothing from the network: a package the machine lacks can be brought as wheels in ``.whl/`` (``--wheels``),
+installed into a temporary folder for this run only.
 """
 
 import argparse
@@ -46,8 +49,13 @@ REQUIRED = {
     "pytest": "pytest",
     "matplotlib": "matplotlib",
     "yaml": "pyyaml",
+    "psutil": "psutil",
+    "pynvml": "nvidia-ml-py",
+    "tensorboard": "tensorboard",
 }
-TRACE_FILE = "ddp_step_trace.json.gz"
+# Holistic Trace Analysis: without it the profile step runs all the same, less HTA's view of the traces.
+OPTIONAL = {"hta": "holistictraceanalysis"}
+TRACES_KEPT = 2  # rank0.json and rank1.json: a results folder stays small whatever the number of GPUs
 
 
 @dataclass
@@ -174,20 +182,25 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
         for size in world_sizes
     ]
     steps += [
+        # The profiler records steps 3-5 of one epoch, on every rank: the global batch stays 256 so that every GPU
+        # still gets the 5 batches (a batch of 256 per GPU would leave it 3 of the digits on 2 GPUs).
         Step(
-            "profile of a DDP step",
+            "profile of DDP steps (solutions/06_profiling.py)",
             "benchmarks",
             [
                 *torchrun,
-                "benchmarks/profile_ddp_step.py",
+                "solutions/06_profiling.py",
+                *SOLUTION_ARGS,
                 "--model",
                 "simplecnn",
                 "--batch-size",
-                "256",
-                "--trace",
-                str(out_dir / TRACE_FILE),
-                "--json",
+                str(256 // num_gpus),
+                "--trace-dir",
+                str(out_dir / "traces"),
+                "--metrics-file",
                 str(scratch / "profile.json"),
+                "--memory-snapshot",
+                str(out_dir / "memory_snapshot.pickle"),
             ],
             180,
             json_file="profile.json",
@@ -378,9 +391,18 @@ def write_results(folder: Path, report: dict) -> list[Path]:
     return paths
 
 
-def missing_packages() -> list[str]:
-    """The packages of ``REQUIRED`` this interpreter cannot import."""
-    return [package for module, package in REQUIRED.items() if importlib.util.find_spec(module) is None]
+def missing_packages(packages: dict = REQUIRED) -> list[str]:
+    """The packages of ``packages`` (import name -> package name) this interpreter cannot import."""
+    return [package for module, package in packages.items() if importlib.util.find_spec(module) is None]
+
+
+def keep_first_traces(trace_dir: Path, kept: int = TRACES_KEPT) -> None:
+    """Delete the traces ``rank{N}.json`` of ranks ``kept`` and above from ``trace_dir``, if it exists: the profile
+    step has read them all, and rank 0 with one peer is what a reader opens."""
+    for path in trace_dir.glob("rank*.json"):
+        rank = path.stem.removeprefix("rank")
+        if rank.isdigit() and int(rank) >= kept:
+            path.unlink()
 
 
 def install_wheels(wheels: Path, target: Path) -> None:
@@ -456,6 +478,8 @@ def main(args) -> int:
             f"wheels in {args.wheels}",
             flush=True,
         )
+    for package in missing_packages(OPTIONAL):
+        print(f"gpu-check: no {package}: the profile step leaves out HTA's view of the traces", flush=True)
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -477,6 +501,7 @@ def main(args) -> int:
             }
         else:
             result = run_step(step, min(step.timeout, remaining), env, scratch)
+        keep_first_traces(folder / "traces")  # after the profile step, even one that failed midway
         report["steps"].append(result)
         report["seconds"] = time.perf_counter() - start
         print(f"  {result['status']:>7} {result['seconds']:>6} s  {step.name}  {result.get('error', '')}", flush=True)

@@ -5,7 +5,6 @@ own argument parser), the one-line refusal without a GPU, the time limit, the re
 runs, on CPU with gloo. The last tests hold the lessons to the recorded GPU runs under results/.
 """
 
-import gzip
 import json
 import re
 import subprocess
@@ -16,7 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.data import FirstBatches, load_data, make_loader
 from common.launch import load_script
+from common.models import MODELS
+from common.profiling import check_profile_settings
+from tests.conftest import torchrun as conftest_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 gpu_check = load_script(REPO / "scripts" / "gpu_check.py")
@@ -291,31 +294,65 @@ def test_fsdp_memory_shows_zero1_sharding_the_optimizer_and_fsdp_the_parameters_
     assert ddp["total_mib"] == pytest.approx(ddp["zero_predicted_mib"], rel=0.01)
 
 
+def profile_step(num_gpus: int, out_dir: Path, scratch: Path):
+    """The check's profile step (solutions/06_profiling.py) for ``num_gpus`` GPUs, and its parsed arguments."""
+    step = next(step for step in gpu_check.plan(num_gpus, 16, out_dir, scratch) if "06_profiling.py" in step.shown())
+    script, arguments = script_and_arguments(step.command)
+    return step, arguments, load_script(script).parse_args(arguments)
+
+
+@pytest.mark.parametrize("num_gpus", [1, 2, 3, 4, 8])
+def test_the_profile_step_has_the_steps_its_profiler_needs_on_every_gpu_and_writes_traces_into_the_results(
+    num_gpus, tmp_path
+):
+    step, arguments, args = profile_step(num_gpus, tmp_path / "results", tmp_path / "scratch")
+    assert step.command[2] == f"--nproc_per_node={num_gpus}" and step.json_file == "profile.json"
+    assert args.metrics_file == tmp_path / "scratch" / "profile.json"
+    assert args.trace_dir == tmp_path / "results" / "traces"
+    assert args.memory_snapshot == tmp_path / "results" / "memory_snapshot.pickle"
+    data = load_data(args.dataset, args.data_dir, MODELS[args.model].input_shape)
+    loader = make_loader(data.train, args.batch_size, train=True, rank=num_gpus - 1, world_size=num_gpus, seed=0)
+    batches = args.epochs * len(FirstBatches(loader, args.max_batches_per_epoch))
+    assert batches == 5 and args.batch_size * num_gpus <= 256  # the global batch stays 256
+    # the solution's own check, which refuses before training a schedule the run cannot fit
+    check_profile_settings(args.trace_dir, args.profile_wait, args.profile_warmup, args.profile_steps, batches)
+
+
+def test_only_the_first_two_ranks_traces_stay_and_the_results_folder_holds_at_most_eight_files(tmp_path):
+    folder = tmp_path / "nvidia-h100-80gb-hbm3-x8"
+    (folder / "traces").mkdir(parents=True)
+    for rank in range(8):
+        (folder / "traces" / f"rank{rank}.json").write_text("{}")
+    (folder / "memory_snapshot.pickle").write_bytes(b"")
+    (folder / "traces" / "notes.json").write_text("{}")  # not a rank's trace: left alone
+    gpu_check.keep_first_traces(folder / "traces")
+    report = {"facts": {"date": "today", "gpus": ["G"] * 8, **dict.fromkeys(["torch", "cuda", "cudnn", "nccl"])}}
+    report["facts"].update(driver=None, python="3", cpu_cores=16)
+    gpu_check.write_results(folder, {**report, "missing_packages": [], "steps": [], "seconds": 1.0})
+    files = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
+    assert files == [
+        "gpu_check.json",
+        "logs.txt",
+        "memory_snapshot.pickle",
+        "summary.md",
+        "traces/notes.json",
+        "traces/rank0.json",
+        "traces/rank1.json",
+    ]
+    gpu_check.keep_first_traces(tmp_path / "absent")  # no profile yet: nothing to do
+
+
 @pytest.mark.slow  # make test-slow: a drill of what make gpu-check runs
-def test_the_profile_of_a_ddp_step_writes_a_trace_and_lists_the_costliest_ops(tmp_path):
-    run = torchrun(
-        "benchmarks/profile_ddp_step.py",
-        "--model",
-        "lenet",
-        "--batch-size",
-        8,
-        "--warmup",
-        1,
-        "--steps",
-        2,
-        "--trace",
-        tmp_path / "trace.json.gz",
-        "--json",
-        tmp_path / "profile.json",
-    )
-    data = json.loads((tmp_path / "profile.json").read_text())
-    assert data["clock"] == "cpu" and data["communication_share"] is None and data["ms_per_step"] > 0
-    assert any(op["op"] == "aten::convolution_backward" for op in data["top_ops"])
-    times = [op["ms_per_step"] for op in data["top_ops"]]
-    assert times == sorted(times, reverse=True) and "aten::convolution_backward" in run.stdout
-    with gzip.open(tmp_path / "trace.json.gz", "rt") as trace:
-        names = {event.get("name", "") for event in json.load(trace)["traceEvents"]}
-    assert any(name.startswith("ProfilerStep") for name in names) and "aten::convolution_backward" in names
+@pytest.mark.timeout(240)
+def test_the_profile_step_on_two_cpu_processes_writes_both_traces_and_no_hta_view(tmp_path):
+    _, arguments, _ = profile_step(2, tmp_path / "results", tmp_path)
+    snapshot = arguments.index("--memory-snapshot")  # CUDA only: the solution refuses it on a CPU
+    run = conftest_torchrun("solutions/06_profiling.py", *arguments[:snapshot], *arguments[snapshot + 2 :], nproc=2)
+    assert run.returncode == 0, run.output[-3000:]
+    report = json.loads((tmp_path / "profile.json").read_text())["profile"]
+    assert len(report["trace_steps"]) == 3 and report["trace_breakdown"]["step_ms"] > 0
+    assert sorted(path.name for path in (tmp_path / "results" / "traces").iterdir()) == ["rank0.json", "rank1.json"]
+    assert "hta" not in report and "HTA" not in run.stdout  # HTA reads GPU traces only
 
 
 def test_the_mixed_precision_benchmark_refuses_tf32_without_a_gpu_that_has_it():
