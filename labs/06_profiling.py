@@ -65,7 +65,6 @@ from common.profiling import (
 )
 
 from common.training import TrainingHistory, finish_run, progress_bar, training_arguments
-
 # What the functions you write below use:
 from common.profiling import _clip, _covered, _interval, _is_communication, _length, _union
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -216,7 +215,7 @@ def train(args, env):
             history.start_epoch()
             loss_sum, samples = train_one_epoch(net, train_iter, optimizer, env.device, regions, profiler, epoch, args)
             row = history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter)
-            timing = regions.summary()
+            timing = mean_breakdown(regions.rows[-len(train_iter) :])  # this epoch's steps
             tensorboard.log(
                 epoch + 1,
                 {

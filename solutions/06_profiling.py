@@ -138,7 +138,7 @@ def train(args, env):
             history.start_epoch()
             loss_sum, samples = train_one_epoch(net, train_iter, optimizer, env.device, regions, profiler, epoch, args)
             row = history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter)
-            timing = regions.summary()
+            timing = mean_breakdown(regions.rows[-len(train_iter) :])  # this epoch's steps
             tensorboard.log(
                 epoch + 1,
                 {
