@@ -142,10 +142,13 @@ def step_breakdowns(trace: dict) -> list[dict]:
     ``data_ms``... are the labels' durations; ``other_ms`` is the step minus the four. Within the step:
 
     - ``communication_ms``: the time during which at least one communication was running (the union of their
-      intervals). On a CPU, gloo's ``gloo:*`` spans on its own threads; on a GPU, NCCL kernels.
+      intervals). On a CPU, gloo's ``gloo:*`` spans on its own threads, within the backward region (DDP's
+      backward returns only once every bucket's all-reduce has completed: the step waits for nothing after);
+      on a GPU, NCCL kernels, within the step.
     - ``exposed_communication_ms``: the part of that time during which no computation ran, the time that
       communication added to the step. Computation, on a CPU: any op of the main thread other than communication
-      (``c10d::allreduce_`` only enqueues) and waiting; on a GPU: any kernel other than NCCL's.
+      and waiting, outside the communication calls it encloses (``c10d::allreduce_`` enqueues an all-reduce, and
+      the autograd node whose hook called it is not computing meanwhile); on a GPU: any kernel other than NCCL's.
     - ``overlap``: 1 - exposed / communication, the share of communication hidden (None without communication).
     - ``all_reduces``: on a CPU, ``c10d::allreduce_`` calls (DDP: one per bucket); on a GPU, NCCL AllReduce kernels.
     - ``device``: ``"cuda"`` when the trace holds kernels, else ``"cpu"``.
@@ -173,7 +176,12 @@ def step_breakdowns(trace: dict) -> list[dict]:
     else:
         main_ops = [event for event in events if event.get("cat") == "cpu_op" and event["tid"] == main_thread]
         communication = [_interval(event) for event in events if event["name"].startswith("gloo:")]
-        computation = [_interval(op) for op in main_ops if not _is_communication(op["name"])]
+        # An op that encloses an enqueue or a wait (the autograd node whose hook started a bucket) computes only
+        # outside it: the main thread's communication calls are cut out of the computation.
+        computation = _subtract(
+            _union(_interval(op) for op in main_ops if not _is_communication(op["name"])),
+            _union(_interval(op) for op in main_ops if _is_communication(op["name"])),
+        )
         all_reduce_starts = [op["ts"] for op in main_ops if op["name"] == "c10d::allreduce_"]
 
     rows = []
@@ -185,10 +193,13 @@ def step_breakdowns(trace: dict) -> list[dict]:
         row = {"step_ms": (end - start) / 1000}
         row.update({f"{event['name']}_ms": event["dur"] / 1000 for event in step})
         row["other_ms"] = row["step_ms"] - sum(event["dur"] for event in step) / 1000
+        # On a CPU the step waits for communication only inside backward: DDP's backward returns once every
+        # bucket's all-reduce has completed; gloo's span may go on after (the rank has its result by then).
+        window = (start, end) if on_gpu else _interval(step[2])
         # BEGIN LAB: communication in the step, the part no computation hid
-        # _clip to the step, _union the intervals, _covered: how much of one union lies inside another
-        communicating = _union(_clip(communication, start, end))
-        hidden = _covered(communicating, _union(_clip(computation, start, end)))
+        # _clip to the window, _union the intervals, _covered: how much of one union lies inside another
+        communicating = _union(_clip(communication, *window))
+        hidden = _covered(communicating, _union(_clip(computation, *window)))
         row["communication_ms"] = _length(communicating) / 1000
         row["exposed_communication_ms"] = (_length(communicating) - hidden) / 1000
         row["overlap"] = hidden / _length(communicating) if communicating else None
@@ -221,6 +232,20 @@ def _union(intervals) -> list[tuple[float, float]]:
         else:
             merged.append((s, e))
     return merged
+
+
+def _subtract(intervals, cut) -> list[tuple[float, float]]:
+    """The parts of ``intervals`` outside ``cut`` (both unions)."""
+    left = []
+    for s, e in intervals:
+        for cs, ce in cut:
+            if cs < e and ce > s:  # the cut overlaps what is left of (s, e): keep the piece before it
+                if cs > s:
+                    left.append((s, cs))
+                s = max(s, ce)
+        if s < e:
+            left.append((s, e))
+    return left
 
 
 def _length(intervals) -> float:

@@ -66,7 +66,7 @@ from common.profiling import (
 
 from common.training import TrainingHistory, finish_run, progress_bar, training_arguments
 # What the functions you write below use:
-from common.profiling import _clip, _covered, _interval, _is_communication, _length, _union
+from common.profiling import _clip, _covered, _interval, _is_communication, _length, _subtract, _union
 from torch.profiler import ProfilerActivity, profile, schedule
 
 
@@ -86,10 +86,13 @@ def step_breakdowns(trace: dict) -> list[dict]:
     ``data_ms``... are the labels' durations; ``other_ms`` is the step minus the four. Within the step:
 
     - ``communication_ms``: the time during which at least one communication was running (the union of their
-      intervals). On a CPU, gloo's ``gloo:*`` spans on its own threads; on a GPU, NCCL kernels.
+      intervals). On a CPU, gloo's ``gloo:*`` spans on its own threads, within the backward region (DDP's
+      backward returns only once every bucket's all-reduce has completed: the step waits for nothing after);
+      on a GPU, NCCL kernels, within the step.
     - ``exposed_communication_ms``: the part of that time during which no computation ran, the time that
       communication added to the step. Computation, on a CPU: any op of the main thread other than communication
-      (``c10d::allreduce_`` only enqueues) and waiting; on a GPU: any kernel other than NCCL's.
+      and waiting, outside the communication calls it encloses (``c10d::allreduce_`` enqueues an all-reduce, and
+      the autograd node whose hook called it is not computing meanwhile); on a GPU: any kernel other than NCCL's.
     - ``overlap``: 1 - exposed / communication, the share of communication hidden (None without communication).
     - ``all_reduces``: on a CPU, ``c10d::allreduce_`` calls (DDP: one per bucket); on a GPU, NCCL AllReduce kernels.
     - ``device``: ``"cuda"`` when the trace holds kernels, else ``"cpu"``.
@@ -117,7 +120,12 @@ def step_breakdowns(trace: dict) -> list[dict]:
     else:
         main_ops = [event for event in events if event.get("cat") == "cpu_op" and event["tid"] == main_thread]
         communication = [_interval(event) for event in events if event["name"].startswith("gloo:")]
-        computation = [_interval(op) for op in main_ops if not _is_communication(op["name"])]
+        # An op that encloses an enqueue or a wait (the autograd node whose hook started a bucket) computes only
+        # outside it: the main thread's communication calls are cut out of the computation.
+        computation = _subtract(
+            _union(_interval(op) for op in main_ops if not _is_communication(op["name"])),
+            _union(_interval(op) for op in main_ops if _is_communication(op["name"])),
+        )
         all_reduce_starts = [op["ts"] for op in main_ops if op["name"] == "c10d::allreduce_"]
 
     rows = []
@@ -129,8 +137,11 @@ def step_breakdowns(trace: dict) -> list[dict]:
         row = {"step_ms": (end - start) / 1000}
         row.update({f"{event['name']}_ms": event["dur"] / 1000 for event in step})
         row["other_ms"] = row["step_ms"] - sum(event["dur"] for event in step) / 1000
+        # On a CPU the step waits for communication only inside backward: DDP's backward returns once every
+        # bucket's all-reduce has completed; gloo's span may go on after (the rank has its result by then).
+        window = (start, end) if on_gpu else _interval(step[2])
         # TODO: communication in the step, the part no computation hid
-        # _clip to the step, _union the intervals, _covered: how much of one union lies inside another
+        # _clip to the window, _union the intervals, _covered: how much of one union lies inside another
         raise NotImplementedError("TODO: communication in the step, the part no computation hid")
         row["all_reduces"] = sum(start <= ts < end for ts in all_reduce_starts)
         row["device"] = "cuda" if on_gpu else "cpu"

@@ -167,21 +167,22 @@ def test_a_hand_made_cpu_trace_gives_the_intervals_worked_out_by_hand():
         *labels(30, (0, 0, 60, 10)),
         event("aten::addmm", "cpu_op", 12, 16),
         event("autograd::engine::evaluate_function: AddmmBackward0", "cpu_op", 32, 18),
-        event("c10d::allreduce_", "cpu_op", 45, 3),  # inside its parent: that parent counts as computation
+        event("c10d::allreduce_", "cpu_op", 45, 3),  # inside its parent: the parent computes only outside it
         event("c10d::allreduce_", "cpu_op", 52, 3),  # alone: an enqueue, not computation
         event("AddmmBackward0", "cpu_op", 55, 15),
         event("aten::add_", "cpu_op", 91, 8),
         event("gloo:all_reduce", "user_annotation", 46, 14, tid=2),  # two gloo threads: union 46-80
         event("gloo:all_reduce", "user_annotation", 56, 24, tid=3),
         event("aten::copy_", "cpu_op", 60, 20, tid=2),  # not the main thread: not computation
-        event("gloo:all_reduce", "user_annotation", 95, 30, tid=2),  # 95-125 straddles steps 1 and 2
+        event("gloo:all_reduce", "user_annotation", 95, 30, tid=2),  # 95-125: after step 1's backward, in step 2's
         # step 2, 100-160 us; then a step the profiler cut short, which is no step
         *labels(100, (10, 10, 30, 10)),
         event("aten::mm", "cpu_op", 120, 2),
         *labels(170, (5, 5, 0, 0)),
     ]
     first, second = step_breakdowns({"traceEvents": events})
-    # step 1: communication 46-80 and 95-100 = 39 us; computation covers 46-50, 55-70 and 95-99 = 23 us of it
+    # step 1: communication within its backward (30-90): 46-80 = 34 us; computation, the main thread's ops less
+    # the communication calls (45-48, 52-55), covers 48-50 and 55-70 = 17 us of it
     assert first == pytest.approx(
         {
             "step_ms": 0.100,
@@ -190,21 +191,21 @@ def test_a_hand_made_cpu_trace_gives_the_intervals_worked_out_by_hand():
             "backward_ms": 0.060,
             "optimizer_ms": 0.010,
             "other_ms": 0.002,
-            "communication_ms": 0.039,
-            "exposed_communication_ms": 0.016,
-            "overlap": 23 / 39,
+            "communication_ms": 0.034,
+            "exposed_communication_ms": 0.017,
+            "overlap": 17 / 34,
             "all_reduces": 2,
             "device": "cpu",
         }
     )
-    # step 2: communication 100-125 = 25 us, computation 120-122 covers 2 us of it
+    # step 2: communication within its backward (120-150): 120-125 = 5 us, computation 120-122 covers 2 us of it
     assert second["step_ms"] == pytest.approx(0.060) and second["other_ms"] == pytest.approx(0)
-    assert second["communication_ms"] == pytest.approx(0.025)
-    assert second["exposed_communication_ms"] == pytest.approx(0.023)
+    assert second["communication_ms"] == pytest.approx(0.005)
+    assert second["exposed_communication_ms"] == pytest.approx(0.003)
     assert second["all_reduces"] == 0
     mean = mean_breakdown([first, second])
     assert mean["steps"] == 2 and mean["step_ms"] == pytest.approx(0.080)
-    assert mean["overlap"] == pytest.approx(1 - 0.0195 / 0.032)  # from the means, not a mean of ratios
+    assert mean["overlap"] == pytest.approx(1 - 0.010 / 0.0195)  # from the means, not a mean of ratios
 
 
 def gpu_trace() -> dict:
