@@ -136,6 +136,18 @@ NOT_RUN = {
     "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_09_ddp_by_hand.py tests/labs/test_10_zero_by_hand.py":
         "the starters fail their lab tests until the reader finishes them; "
         "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that they do",
+    ".venv/bin/python -m pytest tests/test_profiling.py tests/test_monitoring.py tests/test_data_loading.py "
+    "tests/test_scaling.py": "test files of this suite, which the suite runs itself",
+    "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_06_profiling.py":
+        "a starter fails its lab tests until the reader finishes it; "
+        "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
+    "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 benchmarks/data_loading.py":
+        "a benchmark, which climbs five loaders for most of a minute; notebooks/09_profiling_and_scaling.ipynb runs "
+        "it under nbval, and tests/test_data_loading.py::test_the_benchmark_prints_a_row_per_rung_and_writes_its_"
+        "figures on small settings",
+    "python benchmarks/ddp_scaling.py --mode both --plot runs/ddp_scaling.png":
+        "a benchmark, which launches five torchruns for most of a minute; notebooks/09_profiling_and_scaling.ipynb "
+        "runs it under nbval on small settings",
 }
 # fmt: on
 
