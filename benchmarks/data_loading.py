@@ -18,7 +18,6 @@ DataLoader also warns that 6 workers per rank are more than the 2 cores it sugge
 spend most of their time waiting for storage, which takes no core.
 """
 
-import argparse
 import json
 import warnings
 from pathlib import Path
@@ -28,19 +27,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 
-from common.cli import argument_parser, positive_int
+from common.cli import argument_parser, non_negative_float, positive_int
 from common.data import make_loader
 from common.data_loading import LOADER_LADDER, READ_LATENCY_MS, image_folder_splits, measure_loader
 from common.distributed import BACKENDS, all_reduce_mean, all_reduce_sum, is_main, print0, process_group, set_seed
 from common.models import LeNet
-
-
-def non_negative_float(text: str) -> float:
-    """A ``float`` of at least 0 (a latency)."""
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
 
 
 def parse_args(argv=None):

@@ -35,6 +35,14 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A ``float`` of at least 0 (a latency)."""
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def parse_size(text: str) -> int:
     """'4K', '16M', '1G' or a plain number of bytes -> bytes."""
     scale = UNITS.get(text[-1].upper(), 1)

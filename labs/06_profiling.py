@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.cli import non_negative_int, positive_float, positive_int
+from common.cli import non_negative_float, non_negative_int, positive_float, positive_int
 from common.data import FirstBatches, load_data, make_loader
 from common.data_loading import image_folder_splits
 from common.ddp_by_hand import assign_buckets
@@ -157,7 +157,7 @@ def parse_args(argv=None):
     parser.add_argument("--profile-steps", type=positive_int, default=3, help="steps it records")
     parser.add_argument("--bucket-cap-mb", type=positive_float, default=25.0, help="DDP's gradient bucket size")
     parser.add_argument("--decode-png", action="store_true", help="read digits as PNG files, one sample at a time")
-    parser.add_argument("--read-latency-ms", type=float, default=0.0, help="simulated storage latency per sample")
+    parser.add_argument("--read-latency-ms", type=non_negative_float, default=0.0, help="simulated wait per file")
     parser.add_argument("--prefetch-factor", type=positive_int, help="batches each worker loads ahead (default 2)")
     parser.add_argument("--tensorboard", type=Path, help="global rank 0 logs scalars for TensorBoard here")
     parser.add_argument("--memory-snapshot", type=Path, help="CUDA only: rank 0's allocation history, a pickle")
