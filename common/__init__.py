@@ -36,4 +36,5 @@ What a lesson builds or shows:
   loader options that feed it again, one at a time.
 - ``common.monitoring`` (09): device use sampled by a thread (NVML or psutil), per-rank summaries, TensorBoard.
 - ``common.scaling`` (09): strong and weak scaling efficiency, the latency-bandwidth model of an all-reduce.
+- ``common.compression`` (10): DDP communication hooks by hand: all-reduce, bf16, PowerSGD with its state.
 """
