@@ -31,6 +31,13 @@ One hook per DDP model, registered before the first forward pass. DDP inspects t
 be ``bucket: dist.GradBucket`` and ``-> torch.futures.Future[torch.Tensor]``; and it refuses a hook *named*
 ``bf16_compress_hook`` unless CUDA with NCCL 2.10+ (or XPU) is there, though gloo runs it.
 
+One bucket on gloo, for now. PowerSGD chains three all-reduces per bucket through futures: the second and third
+start from the callback of the one before, on whichever thread completes it. With several buckets in flight the
+ranks can start those all-reduces in different orders, and gloo pairs collectives by order: measured here with
+DeepMLP's two buckets (DDP's default cap), both this hook and torch's ``powerSGD_hook`` abort with gloo's
+"Received data size doesn't match expected size" (the same family as pytorch/pytorch#58467). Give DDP a
+``bucket_cap_mb`` above the model's gradient size on gloo; the tests here use one bucket.
+
 A checkpoint saves the hook's state with the model's (``state.state_dict(ddp.module)``, and
 ``state.load_state_dict(saved, ddp.module)`` on resuming): PowerSGD's error feedback and warm start are memory,
 and a run resumed without it is a different run.
