@@ -34,8 +34,8 @@ be ``bucket: dist.GradBucket`` and ``-> torch.futures.Future[torch.Tensor]``; an
 One bucket on gloo, for now. PowerSGD chains three all-reduces per bucket through futures: the second and third
 start from the callback of the one before, on whichever thread completes it. With several buckets in flight the
 ranks can start those all-reduces in different orders, and gloo pairs collectives by order: measured here with
-DeepMLP's two buckets (DDP's default cap), both this hook and torch's ``powerSGD_hook`` abort with gloo's
-"Received data size doesn't match expected size" (the same family as pytorch/pytorch#58467). Give DDP a
+DeepMLP's two buckets (DDP's default cap), torch's ``powerSGD_hook`` aborts with gloo's "Received data size
+doesn't match expected size" and this hook hangs (the same family as pytorch/pytorch#58467). Give DDP a
 ``bucket_cap_mb`` above the model's gradient size on gloo; the tests here use one bucket.
 
 A checkpoint saves the hook's state with the model's (``state.state_dict(ddp.module)``, and
