@@ -53,17 +53,23 @@ def _digits(input_shape) -> DataSplits:
     pixels, labels = _read_digits()
     X = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0  # pixels are 0..16
     y = torch.tensor(labels, dtype=torch.long)
-    # A stratified 80/20 split, fixed once and for all: 20% of every class goes to the test set.
-    generator = torch.Generator().manual_seed(0)
-    is_test = torch.zeros(len(y), dtype=torch.bool)
-    for digit in range(NUM_CLASSES):
-        members = (y == digit).nonzero().flatten()
-        members = members[torch.randperm(len(members), generator=generator)]
-        is_test[members[: round(0.2 * len(members))]] = True
+    is_test = digits_test_mask(y)
     X = _to_shape(X, input_shape)
     mean, std = X[~is_test].mean(), X[~is_test].std()  # statistics of the training split only
     X = (X - mean) / std
     return DataSplits(TensorDataset(X[~is_test], y[~is_test]), TensorDataset(X[is_test], y[is_test]))
+
+
+def digits_test_mask(labels: torch.Tensor) -> torch.Tensor:
+    """Which of the digits are test samples: a stratified 80/20 split, fixed once and for all (seed 0), 20% of
+    every class in the test set. ``labels``: the 1797 labels in the file's order."""
+    generator = torch.Generator().manual_seed(0)
+    is_test = torch.zeros(len(labels), dtype=torch.bool)
+    for digit in range(NUM_CLASSES):
+        members = (labels == digit).nonzero().flatten()
+        members = members[torch.randperm(len(members), generator=generator)]
+        is_test[members[: round(0.2 * len(members))]] = True
+    return is_test
 
 
 def _read_digits():

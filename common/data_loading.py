@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.data import NUM_CLASSES, DataSplits, _read_digits
+from common.data import NUM_CLASSES, DataSplits, _read_digits, digits_test_mask
 from common.distributed import ConfigurationError, main_process_first
 from common.metrics import synchronize
 
@@ -64,16 +64,10 @@ LOADER_LADDER = [
 def digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The digits as ``(pixels, labels, is_test)``: pixels 0..16, shape (1797, 8, 8), and the test mask.
 
-    The split is ``common.data``'s for ``load_data("digits")``: 20% of every class, drawn with seed 0.
+    The split is ``common.data``'s for ``load_data("digits")`` (``digits_test_mask``).
     """
     pixels, labels = _read_digits()
-    y = torch.tensor(labels)
-    generator = torch.Generator().manual_seed(0)
-    is_test = torch.zeros(len(y), dtype=torch.bool)
-    for digit in range(NUM_CLASSES):
-        members = (y == digit).nonzero().flatten()
-        members = members[torch.randperm(len(members), generator=generator)]
-        is_test[members[: round(0.2 * len(members))]] = True
+    is_test = digits_test_mask(torch.tensor(labels, dtype=torch.long))
     return pixels.reshape(-1, 8, 8), labels, is_test.numpy()
 
 
