@@ -243,7 +243,7 @@ def train(args, env):
         torch.cuda.memory._record_memory_history(enabled=None)
         print0(f"CUDA memory snapshot written to {args.memory_snapshot}: drop it on https://pytorch.org/memory_viz")
 
-    report = profile_report(profiler, trace_dir, env, regions, buckets)
+    report = profile_report(trace_dir, env, regions, buckets)
     report["monitor"] = monitor.summary()
     report["peak_memory_mib"] = peak_memory_mib(env.device)
     print_report(gather_summaries(report), profiler, env)
@@ -267,7 +267,7 @@ def train_one_epoch(net, train_iter, optimizer, device, regions, profiler, epoch
     return loss_sum, samples
 
 
-def profile_report(profiler, trace_dir, env, regions, buckets) -> dict:
+def profile_report(trace_dir, env, regions, buckets) -> dict:
     """This rank's figures: its trace's step breakdown (profiled steps) and the wall clock's (every step)."""
     trace_path = trace_dir / f"rank{env.rank}.json"
     steps = step_breakdowns(load_trace(trace_path))
