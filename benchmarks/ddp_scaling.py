@@ -73,26 +73,24 @@ def run_quietly(command: list[str], args) -> None:
         raise RuntimeError(f"{' '.join(command)} exited with status {run.returncode}:\n{run.stderr[-3000:]}")
 
 
+def run_for_json(script: str, *script_args, json_option: str, nproc: int, args) -> dict:
+    """Run ``script`` under torchrun on ``nproc`` processes, quietly; return the JSON it wrote to the file that
+    ``json_option`` names."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "result.json"
+        run_quietly(torchrun_command(REPO / script, *script_args, json_option, result_file, nproc=nproc), args)
+        return json.loads(result_file.read_text())
+
+
 def measure(nproc: int, batch_size: int, args) -> dict:
     """Train solutions/01_ddp_basic.py on ``nproc`` processes with ``batch_size`` per process; its figures."""
-    with tempfile.TemporaryDirectory() as tmp:
-        metrics_file = Path(tmp) / "metrics.json"
-        command = torchrun_command(
-            REPO / "solutions/01_ddp_basic.py",
-            "--dataset",
-            args.dataset,
-            "--model",
-            args.model,
-            "--epochs",
-            args.epochs,
-            "--batch-size",
-            batch_size,
-            "--metrics-file",
-            metrics_file,
-            nproc=nproc,
-        )
-        run_quietly(command, args)
-        metrics = json.loads(metrics_file.read_text())
+    metrics = run_for_json(
+        "solutions/01_ddp_basic.py",
+        *("--dataset", args.dataset, "--model", args.model, "--epochs", args.epochs, "--batch-size", batch_size),
+        json_option="--metrics-file",
+        nproc=nproc,
+        args=args,
+    )
     epochs = metrics["history"][1:] or metrics["history"]
     samples_per_second = sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs)
     return {
@@ -109,20 +107,13 @@ def measure(nproc: int, batch_size: int, args) -> dict:
 def measure_communication(nproc: int, args) -> dict:
     """The alpha-beta fit of ``dist.all_reduce`` on ``nproc`` processes, and the model's buckets: predicted and
     measured alone. One torchrun launch of this script with ``--fit-only``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = Path(tmp) / "communication.json"
-        command = torchrun_command(
-            REPO / "benchmarks/ddp_scaling.py",
-            "--model",
-            args.model,
-            "--iterations",
-            args.iterations,
-            "--fit-only",
-            result_file,
-            nproc=nproc,
-        )
-        run_quietly(command, args)
-        measured = json.loads(result_file.read_text())
+    measured = run_for_json(
+        "benchmarks/ddp_scaling.py",
+        *("--model", args.model, "--iterations", args.iterations),
+        json_option="--fit-only",
+        nproc=nproc,
+        args=args,
+    )
     fit = fit_alpha_beta(measured["sizes_bytes"], measured["seconds"])
     return {
         "nproc": nproc,
