@@ -31,12 +31,15 @@ One hook per DDP model, registered before the first forward pass. DDP inspects t
 be ``bucket: dist.GradBucket`` and ``-> torch.futures.Future[torch.Tensor]``; and it refuses a hook *named*
 ``bf16_compress_hook`` unless CUDA with NCCL 2.10+ (or XPU) is there, though gloo runs it.
 
-One bucket on gloo, for now. PowerSGD chains three all-reduces per bucket through futures: the second and third
-start from the callback of the one before, on whichever thread completes it. With several buckets in flight the
-ranks can start those all-reduces in different orders, and gloo pairs collectives by order: measured here with
-DeepMLP's two buckets (DDP's default cap), torch's ``powerSGD_hook`` aborts with gloo's "Received data size
-doesn't match expected size" and this hook hangs (the same family as pytorch/pytorch#58467). Give DDP a
-``bucket_cap_mb`` above the model's gradient size on gloo; the tests here use one bucket.
+Where each all-reduce starts. torch's ``powerSGD_hook`` chains its three all-reduces per bucket through futures:
+the second and third start in the callback of the one before, on whichever thread completes it. With gloo and
+several buckets in flight, the ranks can then start them in different orders, and gloo pairs collectives by
+order: measured here with DeepMLP's two buckets (DDP's default cap), torch's hook aborts with gloo's "Received
+data size doesn't match expected size" (the family of pytorch/pytorch#58467; NCCL completes its futures when the
+work is queued, so the callbacks run in order there). So on gloo, give torch's hook one bucket (a
+``bucket_cap_mb`` above the model's gradient size). ``powersgd_hook_by_hand`` starts all three from the hook
+itself, which DDP calls bucket after bucket in the same order on every rank, and waits once, for the P's: any
+number of buckets, on any backend, at the price of blocking backward for one all-reduce per bucket.
 
 A checkpoint saves the hook's state with the model's (``state.state_dict(ddp.module)``, and
 ``state.load_state_dict(saved, ddp.module)`` on resuming): PowerSGD's error feedback and warm start are memory,
@@ -352,24 +355,23 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
     uncompressed_flat = torch.cat([tensor.view(-1) for tensor in uncompressed]) if uncompressed else buffer[:0]
     state.count_bytes(bucket, uncompressed_flat.numel() + ps_flat.numel() + qs_flat.numel())
 
-    # Three all-reduces, each started when the one before it is done: uncompressed tensors, P's, Q's. Each
-    # callback receives the future of the previous step and returns the tensor the next one receives.
-    def unpack_uncompressed_and_allreduce_ps(fut):
-        averaged = fut.value()[0].div_(world_size)
+    # Three all-reduces: the uncompressed tensors and the P's at once (neither needs the other), then the Q's,
+    # which need the summed P's: the one wait. All three start here, in the hook, which DDP calls bucket after
+    # bucket in the same order on every rank; see the module docstring for why not from a future's callback.
+    uncompressed_future = dist.all_reduce(uncompressed_flat, group=group, async_op=True).get_future()
+    dist.all_reduce(ps_flat, group=group, async_op=True).wait()  # P = sum of the M_i Q
+    for p in ps:
+        orthogonalize(p, state.orthogonalization_epsilon)
+    for operand, p, q in zip(operands, ps, qs):
+        torch.matmul(operand.t(), p, out=q)  # Q = M^T P, with this rank's M
+    qs_future = dist.all_reduce(qs_flat, group=group, async_op=True).get_future()  # sum of the M_i^T P
+
+    def decompress(_):
+        averaged = uncompressed_flat.div_(world_size)
         offset = 0
         for tensor in uncompressed:
             tensor.copy_(averaged[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
-        return dist.all_reduce(ps_flat, group=group, async_op=True).get_future().wait()[0]  # sum of M_i Q
-
-    def orthogonalize_ps_and_allreduce_qs(fut):
-        for p in ps:
-            orthogonalize(p, state.orthogonalization_epsilon)
-        for operand, p, q in zip(operands, ps, qs):
-            torch.matmul(operand.t(), p, out=q)  # Q = M^T P, with this rank's M
-        return dist.all_reduce(qs_flat, group=group, async_op=True).get_future().wait()[0]  # sum of M_i^T P
-
-    def decompress(fut):
         qs_flat.div_(world_size)  # the mean of the M_i^T P
         for (parameter, matrix), p, q in zip(matrices, ps, qs):
             matrix.copy_(p @ q.t())  # M_approx = P Q^T, into the bucket
@@ -381,5 +383,5 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
         state.finish_bucket(bucket)
         return buffer
 
-    fut = dist.all_reduce(uncompressed_flat, group=group, async_op=True).get_future()
-    return fut.then(unpack_uncompressed_and_allreduce_ps).then(orthogonalize_ps_and_allreduce_qs).then(decompress)
+    # Backward goes on while the Q's travel; DDP waits for this future at its end.
+    return torch.futures.collect_all([uncompressed_future, qs_future]).then(decompress)
