@@ -27,7 +27,7 @@ Used like torch's::
     ddp.register_comm_hook(state, powersgd_hook_by_hand)
     ddp.register_comm_hook(None, bf16_compress_hook_by_hand)    # or this: the state is the process group
 
-One hook per DDP model, registered before the first forward pass. DDP inspects the hook: annotations, if any, must
+One hook per DDP model, registered once, before the first backward pass. DDP inspects the hook: annotations, if any, must
 be ``bucket: dist.GradBucket`` and ``-> torch.futures.Future[torch.Tensor]``; and it refuses a hook *named*
 ``bf16_compress_hook`` unless CUDA with NCCL 2.10+ (or XPU) is there, though gloo runs it.
 
@@ -38,8 +38,11 @@ order: measured here with DeepMLP's two buckets (DDP's default cap), torch's hoo
 data size doesn't match expected size" (the family of pytorch/pytorch#58467; NCCL completes its futures when the
 work is queued, so the callbacks run in order there). So on gloo, give torch's hook one bucket (a
 ``bucket_cap_mb`` above the model's gradient size). ``powersgd_hook_by_hand`` starts all three from the hook
-itself, which DDP calls bucket after bucket in the same order on every rank, and waits once, for the P's: any
-number of buckets, on any backend, at the price of blocking backward for one all-reduce per bucket.
+itself, which DDP calls bucket after bucket in the same order on every rank, and waits for the P's and the Q's
+there: any number of buckets, on any backend, at the price of blocking backward for two all-reduces per bucket.
+Its callback does element-wise work only: a matrix product in a callback runs on the main thread on one rank and
+on a gloo thread on another, where the BLAS kernel (its threads) can differ and round differently; measured here,
+the replicas then drifted apart in one run out of a few.
 
 A checkpoint saves the hook's state with the model's (``state.state_dict(ddp.module)``, and
 ``state.load_state_dict(saved, ddp.module)`` on resuming): PowerSGD's error feedback and warm start are memory,
@@ -248,7 +251,7 @@ class PowerSGDByHand:
         orders = [[parameters[name] for name in order] for order in state["matrix_orders"]]
         self.matrix_orders = {frozenset(order): order for order in orders}
         rng = state["rng"]
-        keys = rng["keys"].numpy().astype(np.uint32)
+        keys = rng["keys"].cpu().numpy().astype(np.uint32)
         self.rng.set_state(("MT19937", keys, rng["position"], rng["has_gauss"], rng["cached_gaussian"]))
 
 
@@ -293,10 +296,14 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
     gradients, parameters = bucket.gradients(), bucket.parameters()  # views of the buffer, and whose they are
     wanted = None
     if state.use_error_feedback:
+        # BEGIN LAB: error feedback: add each error to its gradient; keep copies of the sums
+        # state.errors maps a parameter to its error (absent at the first compressed step); the copies go in
+        # `wanted`, a list in the order of `gradients`, for computing the new errors at the end.
         for gradient, parameter in zip(gradients, parameters):
             if parameter in state.errors:
                 gradient.add_(state.errors[parameter])
         wanted = [gradient.clone() for gradient in gradients]  # M + error: to compute the new error from
+        # END LAB
 
     # Which gradients to compress: each seen as n x m (a conv weight's trailing dimensions flattened).
     matrices, uncompressed = [], []  # matrices: (parameter, n x m view of its gradient)
@@ -349,39 +356,50 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
     # offset of a gradient in its bucket changes with DDP's layout (see PowerSGDByHand.state_dict). A fresh tensor
     # is always aligned the same way, so a resumed run computes bit for bit what an uninterrupted one does.
     operands = [matrix.clone() for _, matrix in matrices]
+    # BEGIN LAB: P = M Q for every matrix, into its view in ps_flat
+    # torch.matmul(a, b, out=view) writes into the view, and so into the flat tensor the all-reduce sends.
     for operand, q, p in zip(operands, qs, ps):
         torch.matmul(operand, q, out=p)  # P = M Q
+    # END LAB
 
     uncompressed_flat = torch.cat([tensor.view(-1) for tensor in uncompressed]) if uncompressed else buffer[:0]
     state.count_bytes(bucket, uncompressed_flat.numel() + ps_flat.numel() + qs_flat.numel())
 
-    # Three all-reduces: the uncompressed tensors and the P's at once (neither needs the other), then the Q's,
-    # which need the summed P's: the one wait. All three start here, in the hook, which DDP calls bucket after
-    # bucket in the same order on every rank; see the module docstring for why not from a future's callback.
-    uncompressed_future = dist.all_reduce(uncompressed_flat, group=group, async_op=True).get_future()
-    dist.all_reduce(ps_flat, group=group, async_op=True).wait()  # P = sum of the M_i Q
+    # Three all-reduces, all started here in the hook, which DDP calls bucket after bucket in the same order on
+    # every rank (see the module docstring for why not from a future's callback): the P's and the Q's, each waited
+    # for, since the next product needs its sum; then the uncompressed tensors, which travel while backward goes on.
+    dist.all_reduce(ps_flat, group=group)  # P = the sum of the M_i Q
+    # BEGIN LAB: orthogonalise every P; then Q = M^T P, into its view in qs_flat
     for p in ps:
         orthogonalize(p, state.orthogonalization_epsilon)
     for operand, p, q in zip(operands, ps, qs):
         torch.matmul(operand.t(), p, out=q)  # Q = M^T P, with this rank's M
-    qs_future = dist.all_reduce(qs_flat, group=group, async_op=True).get_future()  # sum of the M_i^T P
+    # END LAB
+    dist.all_reduce(qs_flat, group=group)  # the sum of the M_i^T P
+    # BEGIN LAB: the mean Q; each matrix becomes P Q^T, in the bucket; keep Q for a warm start
+    qs_flat.div_(world_size)  # the mean of the M_i^T P
+    for (parameter, matrix), p, q in zip(matrices, ps, qs):
+        matrix.copy_(p @ q.t())  # M_approx = P Q^T, into the bucket
+        if state.warm_start:
+            state.qs[parameter] = q  # next step starts from it
+    # END LAB
+    work = dist.all_reduce(uncompressed_flat, group=group, async_op=True)
 
-    def decompress(_):
-        averaged = uncompressed_flat.div_(world_size)
+    def unpack_uncompressed_and_keep_errors(fut):
+        # Runs on whichever thread completes the all-reduce: element-wise work only, which gives the same bits on
+        # any thread (a matrix product here could take another kernel on another thread, and the ranks drift).
+        averaged = fut.value()[0].div_(world_size)
         offset = 0
         for tensor in uncompressed:
             tensor.copy_(averaged[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
-        qs_flat.div_(world_size)  # the mean of the M_i^T P
-        for (parameter, matrix), p, q in zip(matrices, ps, qs):
-            matrix.copy_(p @ q.t())  # M_approx = P Q^T, into the bucket
-            if state.warm_start:
-                state.qs[parameter] = q  # next step starts from it
         if state.use_error_feedback:
+            # BEGIN LAB: each gradient's new error
+            # its copy in `wanted` minus what the bucket now holds, into state.errors
             for gradient, parameter, before in zip(gradients, parameters, wanted):
                 state.errors[parameter] = before - gradient  # what compression (and averaging) changed: sent later
+            # END LAB
         state.finish_bucket(bucket)
         return buffer
 
-    # Backward goes on while the Q's travel; DDP waits for this future at its end.
-    return torch.futures.collect_all([uncompressed_future, qs_future]).then(decompress)
+    return work.get_future().then(unpack_uncompressed_and_keep_errors)
