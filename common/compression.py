@@ -27,22 +27,26 @@ Used like torch's::
     ddp.register_comm_hook(state, powersgd_hook_by_hand)
     ddp.register_comm_hook(None, bf16_compress_hook_by_hand)    # or this: the state is the process group
 
-One hook per DDP model, registered once, before the first backward pass. DDP inspects the hook: annotations, if any, must
-be ``bucket: dist.GradBucket`` and ``-> torch.futures.Future[torch.Tensor]``; and it refuses a hook *named*
-``bf16_compress_hook`` unless CUDA with NCCL 2.10+ (or XPU) is there, though gloo runs it.
+One hook per DDP model, registered once, before the first backward pass. DDP inspects the hook: annotations, if any,
+must be ``bucket: dist.GradBucket`` and ``-> torch.futures.Future[torch.Tensor]``; and it checks a hook *named*
+``bf16_compress_hook`` (or ``bf16_compress_wrapper_hook``) against how torch was built: refused unless torch has
+CUDA or ROCm and NCCL 2.10+ (or XPU with XCCL). The course's torch is a CUDA build, so even a CPU with gloo passes
+the check (and gloo runs the hook); a CPU-only build refuses it.
 
-Where each all-reduce starts. torch's ``powerSGD_hook`` chains its three all-reduces per bucket through futures:
-the second and third start in the callback of the one before, on whichever thread completes it. With gloo and
-several buckets in flight, the ranks can then start them in different orders, and gloo pairs collectives by
-order: measured here with DeepMLP's two buckets (DDP's default cap), torch's hook aborts with gloo's "Received
-data size doesn't match expected size" (the family of pytorch/pytorch#58467; NCCL completes its futures when the
-work is queued, so the callbacks run in order there). So on gloo, give torch's hook one bucket (a
-``bucket_cap_mb`` above the model's gradient size). ``powersgd_hook_by_hand`` starts all three from the hook
+Where each all-reduce starts. torch's ``powerSGD_hook`` chains its three all-reduces per bucket through futures: the
+second and third start in the callback of the one before, on whichever thread completes it. With gloo and several
+buckets in flight, the ranks can then start them in different orders, and gloo pairs collectives by order: measured
+here with DeepMLP's two buckets (DDP's default cap), torch's hook aborts with gloo's "Received data size doesn't
+match expected size". NCCL completes its futures when the work is queued on the stream (the value is ordered by CUDA
+events, not yet computed), so the callbacks run at once, in order, there. So on gloo, give torch's hook one bucket
+(a ``bucket_cap_mb`` above the model's gradient size). ``powersgd_hook_by_hand`` starts all three from the hook
 itself, which DDP calls bucket after bucket in the same order on every rank, and waits for the P's and the Q's
-there: any number of buckets, on any backend, at the price of blocking backward for two all-reduces per bucket.
-Its callback does element-wise work only: a matrix product in a callback runs on the main thread on one rank and
-on a gloo thread on another, where the BLAS kernel (its threads) can differ and round differently; measured here,
-the replicas then drifted apart in one run out of a few.
+there: any number of buckets, on any backend, at the price of blocking backward for two all-reduces per bucket. Its
+callback does element-wise work only. When it also computed P Q^T, the replicas of an in-process test drifted apart
+in 2 of about 6 runs, and in none of 8 since. The likely cause: a matrix product in a callback runs on the main
+thread on one rank and on a gloo thread on another, whose intra-op thread settings can differ (torchrun's
+OMP_NUM_THREADS=1 reaches every thread; torch.set_num_threads(1) in a process, not necessarily), and a product split
+over other threads can round differently. Element-wise work gives the same bits on any thread.
 
 A checkpoint saves the hook's state with the model's (``state.state_dict(ddp.module)``, and
 ``state.load_state_dict(saved, ddp.module)`` on resuming): PowerSGD's error feedback and warm start are memory,
@@ -82,7 +86,8 @@ def bf16_compress_hook_by_hand(process_group, bucket: dist.GradBucket) -> torch.
 
     The cast is the compression; the division by the world size comes after it, in bfloat16, as torch does it
     (so the two are bit for bit the same). bfloat16 keeps float32's exponent range (no overflow, unlike fp16) and
-    8 bits of mantissa: each gradient is rounded to about 3 significant digits, and the sum is rounded again.
+    8 bits of significand (7 stored): each gradient is rounded to 2 or 3 significant decimal digits, and the sum is
+    rounded again.
     The ``then`` callback decompresses: it copies the bfloat16 sum back into the float32 buffer, in place, so no
     second float32 bucket is allocated. A much weaker compression than PowerSGD's (Vogels et al. 2019), and one
     that needs no state: 2x, whatever the shapes.
@@ -219,8 +224,9 @@ class PowerSGDByHand:
         (``model``: the module DDP wraps, ``ddp.module``, which names them), and the generator's state. Tensors,
         numbers and dicts only: ``torch.load(weights_only=True)`` reads it back.
 
-        Why by parameter, when torch keeps flat tensors per bucket: DDP lays a bucket out in ``parameters()`` order
-        for its first step, then rebuilds it in the order the gradients became ready (about the reverse). A DDP
+        Why by parameter, when torch keeps flat tensors per bucket: DDP's first step puts every parameter in one
+        bucket, in ``parameters()`` order (unless ``find_unused_parameters``); then it rebuilds its buckets in the
+        order the gradients became ready (about the reverse), capped by ``bucket_cap_mb``. A DDP
         model built to resume runs its first step in the first layout, so torch's memory, saved in the second,
         lands on the wrong gradients for that step: torch's ``PowerSGDState``, pickled and restored, resumes
         near the uninterrupted run, not on it (tested). The saved ``matrix_orders`` make the fresh ``Q`` s (no warm
@@ -283,8 +289,9 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
     rounding. The memory (errors, Q's) follows parameters, not bucket positions (see ``PowerSGDByHand.state_dict``).
     Torch's ``batch_tensors_with_same_shape`` is not here (a speed option; the results are the same).
 
-    The error is computed against the *mean* approximation, as torch does, not against this rank's own
-    P Q_i^T as in the paper's Algorithm 2; summed over ranks the two errors are the same.
+    The error is computed against the *mean* approximation, as torch and the authors' code do (the paper's
+    Algorithm 2 writes it against the decompressed value, which with an all-reduce is the mean); against this
+    rank's own P Q_i^T instead, the errors would differ per rank but sum over ranks to the same.
     """
     group, world_size = _group_and_size(state.process_group)
     buffer = bucket.buffer()

@@ -101,8 +101,9 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
     rounding. The memory (errors, Q's) follows parameters, not bucket positions (see ``PowerSGDByHand.state_dict``).
     Torch's ``batch_tensors_with_same_shape`` is not here (a speed option; the results are the same).
 
-    The error is computed against the *mean* approximation, as torch does, not against this rank's own
-    P Q_i^T as in the paper's Algorithm 2; summed over ranks the two errors are the same.
+    The error is computed against the *mean* approximation, as torch and the authors' code do (the paper's
+    Algorithm 2 writes it against the decompressed value, which with an all-reduce is the mean); against this
+    rank's own P Q_i^T instead, the errors would differ per rank but sum over ranks to the same.
     """
     group, world_size = _group_and_size(state.process_group)
     buffer = bucket.buffer()
@@ -346,10 +347,14 @@ def resume(args, env, net, optimizer, state) -> tuple[int, int]:
     """Load the model, optimizer and this rank's hook state; return the epoch and step to go on from."""
     where = load_checkpoint(args.checkpoint_dir / "checkpoint.pt", net, optimizer, env.device)
     if isinstance(state, PowerSGDByHand):
-        path = hook_state_file(args.checkpoint_dir, env.rank)
-        if not path.exists():
-            raise ConfigurationError(f"error: {path} is missing: was the checkpoint written with --hook powersgd?")
-        saved = torch.load(path, map_location=env.device, weights_only=True)
+        # Every rank checks every rank's file: one rank failing alone would leave the others waiting in a collective.
+        missing = [r for r in range(env.world_size) if not hook_state_file(args.checkpoint_dir, r).exists()]
+        if missing:
+            raise ConfigurationError(
+                f"error: {args.checkpoint_dir} has no PowerSGD state for rank(s) {missing}: it was written by "
+                "another --hook, by fewer processes, or a file was lost; without it the run would not be the same"
+            )
+        saved = torch.load(hook_state_file(args.checkpoint_dir, env.rank), map_location=env.device, weights_only=True)
         if saved["world_size"] != env.world_size:
             raise ConfigurationError(
                 f"error: the hook state was saved by {saved['world_size']} processes, this run has {env.world_size}"

@@ -194,10 +194,14 @@ def resume(args, env, net, optimizer, state) -> tuple[int, int]:
     """Load the model, optimizer and this rank's hook state; return the epoch and step to go on from."""
     where = load_checkpoint(args.checkpoint_dir / "checkpoint.pt", net, optimizer, env.device)
     if isinstance(state, PowerSGDByHand):
-        path = hook_state_file(args.checkpoint_dir, env.rank)
-        if not path.exists():
-            raise ConfigurationError(f"error: {path} is missing: was the checkpoint written with --hook powersgd?")
-        saved = torch.load(path, map_location=env.device, weights_only=True)
+        # Every rank checks every rank's file: one rank failing alone would leave the others waiting in a collective.
+        missing = [r for r in range(env.world_size) if not hook_state_file(args.checkpoint_dir, r).exists()]
+        if missing:
+            raise ConfigurationError(
+                f"error: {args.checkpoint_dir} has no PowerSGD state for rank(s) {missing}: it was written by "
+                "another --hook, by fewer processes, or a file was lost; without it the run would not be the same"
+            )
+        saved = torch.load(hook_state_file(args.checkpoint_dir, env.rank), map_location=env.device, weights_only=True)
         if saved["world_size"] != env.world_size:
             raise ConfigurationError(
                 f"error: the hook state was saved by {saved['world_size']} processes, this run has {env.world_size}"

@@ -110,8 +110,8 @@ def train(net, data):
 
 
 def torchs_bf16_compress_hook(process_group, bucket):
-    """torch's ``bf16_compress_hook`` under another name: DDP refuses the hook by its name unless CUDA with NCCL
-    2.10+ (or XPU) is there, though the hook itself runs on gloo."""
+    """torch's ``bf16_compress_hook`` under another name: DDP refuses the hook by its name on a torch built without
+    CUDA (or ROCm) and NCCL 2.10+, though the hook itself runs on gloo; renamed, the test runs on any build."""
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 

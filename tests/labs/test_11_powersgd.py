@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from common.launch import run_on_ranks
@@ -91,6 +92,14 @@ def lab_checks(env, tmp):
         lab.train(lab.parse_args([*RUN, *extra, "--metrics-file", str(tmp / f"{name}.json")]), env)
         if env.rank == 0:
             out[name] = json.loads((tmp / f"{name}.json").read_text())
+    # A checkpoint that lost one rank's hook state: every rank refuses to resume (none waits for the others).
+    if env.rank == 0:
+        (tmp / "checkpoint" / "hook_rank1.pt").unlink()
+    dist.barrier()
+    try:
+        lab.train(lab.parse_args([*RUN, "--epochs", "7", "--checkpoint-dir", str(tmp / "checkpoint")]), env)
+    except SystemExit as error:
+        out["refused"] = str(error)
     return out
 
 
@@ -148,8 +157,10 @@ def test_training_with_powersgd_stays_near_plain_all_reduce_and_resumes_exactly(
     runs = results[0]
     plain, compressed = (runs[name]["history"][-1]["test_accuracy"] for name in ("allreduce", "powersgd"))
     assert plain > 0.8 and compressed > plain - 0.05, (plain, compressed)  # a loose margin: 6 epochs, one seed
-    assert runs["powersgd"]["replicas_in_sync"]
+    assert all(runs[name]["replicas_in_sync"] for name in ("allreduce", "powersgd", "first_half", "resumed"))
     # The resumed run picked up the errors, Q's and step count: its last epoch is the straight run's, bit for bit.
     assert [row["epoch"] for row in runs["resumed"]["history"]] == [4, 5, 6]
     straight, resumed = runs["powersgd"]["history"][-1], runs["resumed"]["history"][-1]
     assert (resumed["test_loss"], resumed["train_loss"]) == (straight["test_loss"], straight["train_loss"])
+    for rank in range(WORLD_SIZE):  # a lost hook_rank1.pt: both ranks refuse, naming it
+        assert "no PowerSGD state for rank(s) [1]" in results[rank]["refused"]
