@@ -34,13 +34,11 @@ they add less than that, but on a CPU they also take cores from backward: read i
 import argparse
 import json
 import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 from common.cli import argument_parser, positive_int
 from common.distributed import process_group
-from common.launch import REPO, torchrun_command
+from common.launch import run_for_json
 from common.metrics import write_json
 from common.models import MODELS
 from common.scaling import (
@@ -56,30 +54,15 @@ from common.scaling import (
 FIT_SIZES = [4**k for k in range(1, 13)]  # 4 B to 16 MiB, every fourfold: small sizes give alpha, large ones beta
 
 
-def child_environment(args) -> dict:
-    """The environment of every launch: GPUs hidden under ``--cpu``, ``--threads`` intra-op threads."""
-    env = dict(os.environ)
+def launch_environment(args) -> dict:
+    """What every launch adds to this process's environment: GPUs hidden under ``--cpu``, ``--threads`` intra-op
+    threads."""
+    extra = {}
     if args.cpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+        extra["CUDA_VISIBLE_DEVICES"] = ""
     if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    return env
-
-
-def run_quietly(command: list[str], args) -> None:
-    """Run a torchrun ``command`` with ``child_environment``; its output is shown only if it fails."""
-    run = subprocess.run(command, capture_output=True, text=True, env=child_environment(args))
-    if run.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited with status {run.returncode}:\n{run.stderr[-3000:]}")
-
-
-def run_for_json(script: str, *script_args, json_option: str, nproc: int, args) -> dict:
-    """Run ``script`` under torchrun on ``nproc`` processes, quietly; return the JSON it wrote to the file that
-    ``json_option`` names."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = Path(tmp) / "result.json"
-        run_quietly(torchrun_command(REPO / script, *script_args, json_option, result_file, nproc=nproc), args)
-        return json.loads(result_file.read_text())
+        extra["OMP_NUM_THREADS"] = str(args.threads)
+    return extra
 
 
 def measure(nproc: int, batch_size: int, args) -> dict:
@@ -89,7 +72,7 @@ def measure(nproc: int, batch_size: int, args) -> dict:
         *("--dataset", args.dataset, "--model", args.model, "--epochs", args.epochs, "--batch-size", batch_size),
         json_option="--metrics-file",
         nproc=nproc,
-        args=args,
+        env_extra=launch_environment(args),
     )
     epochs = metrics["history"][1:] or metrics["history"]
     samples_per_second = sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs)
@@ -112,7 +95,7 @@ def measure_communication(nproc: int, args) -> dict:
         *("--model", args.model, "--iterations", args.iterations),
         json_option="--fit-only",
         nproc=nproc,
-        args=args,
+        env_extra=launch_environment(args),
     )
     fit = fit_alpha_beta(measured["sizes_bytes"], measured["seconds"])
     return {

@@ -2,7 +2,9 @@
 
 - ``torchrun_command`` and ``launch``: a repository script under ``torchrun --standalone``, exactly as the README
   tells readers to run it, from the repository's folder so that its relative paths hold. For notebooks,
-  benchmarks and tests (``REPO`` and ``TORCHRUN`` are defined here once).
+  benchmarks and tests (``REPO`` and ``TORCHRUN`` are defined here once). ``run_for_json`` launches a script
+  that writes its figures to a JSON file (a solution's ``--metrics-file``) and returns them: how the benchmarks
+  measure a training run.
 - ``run_on_ranks``: a function on N local processes that form a process group, for the places that need the
   results back in the calling process, such as a test comparing a 2-process run with a 1-process reference, or
   a notebook cell. The processes rendezvous through a file (no port to collide on), and a deadline turns a hang
@@ -14,6 +16,7 @@ processes through ``load_script``, called inside the function they run.
 """
 
 import importlib.util
+import json
 import multiprocessing
 import os
 import subprocess
@@ -58,6 +61,17 @@ def launch(
     if check and run.returncode != 0:
         raise RuntimeError(f"torchrun {script} exited with status {run.returncode}:\n{run.stderr[-2000:]}")
     return run
+
+
+def run_for_json(
+    script, *script_args, json_option: str, nproc: int = 2, env_extra=None, timeout: float | None = None
+) -> dict:
+    """``launch`` ``script`` with ``script_args`` and ``json_option FILE``, a temporary file; return the JSON the
+    script wrote there. Its output is kept back unless it fails (``launch`` raises with its standard error)."""
+    with tempfile.TemporaryDirectory(prefix="run_for_json-") as tmp:
+        result_file = Path(tmp) / "result.json"
+        launch(script, *script_args, json_option, result_file, nproc=nproc, env_extra=env_extra, timeout=timeout)
+        return json.loads(result_file.read_text())
 
 
 def run_on_ranks(fn, world_size: int, *args, timeout: float = 60.0):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.launch import REPO, TORCHRUN, run_on_ranks, torchrun_command
+from common.launch import REPO, TORCHRUN, run_for_json, run_on_ranks, torchrun_command
 
 
 def test_the_torchrun_command_is_the_readmes_single_machine_line():
@@ -27,6 +27,30 @@ def test_importing_the_launcher_leaves_pytorch_unloaded():
     # scripts/rehearse_two_nodes.py imports TORCHRUN from here and only starts torchrun: it need not load PyTorch.
     code = "import sys, common.launch; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+WRITE_RANK_AND_ARGS = """
+import json, os, sys
+if os.environ["RANK"] == "0":  # as a solution's --metrics-file: global rank 0 writes
+    out = sys.argv.index("--out")
+    json.dump({"world_size": int(os.environ["WORLD_SIZE"]), "args": sys.argv[1:out]}, open(sys.argv[out + 1], "w"))
+"""
+
+
+def test_run_for_json_returns_what_rank_0_wrote_to_the_file_it_named(tmp_path):
+    script = tmp_path / "write.py"
+    script.write_text(WRITE_RANK_AND_ARGS)
+    assert run_for_json(script, "--seed", 3, json_option="--out", nproc=2, timeout=60) == {
+        "world_size": 2,
+        "args": ["--seed", "3"],
+    }
+
+
+def test_run_for_json_raises_with_the_failing_scripts_error(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("raise SystemExit('no figures today')")
+    with pytest.raises(RuntimeError, match="no figures today"):
+        run_for_json(script, json_option="--out", nproc=1, timeout=60)
 
 
 def wait_forever(env):
