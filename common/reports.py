@@ -1,5 +1,7 @@
 """What the measuring solutions write for people to read: a line per result, Markdown tables, JSON and PNG plots.
 
+- ``plot_accuracy_curves``: test accuracy against the epoch, one line per training configuration (lesson 10's
+  gradient compression, ``benchmarks/gradient_compression.py``).
 - ``plot_bus_bandwidth``: lesson 01's all-reduce timings (``solutions/07_ring_allreduce.py``), bandwidth against size.
 - ``comparison_result``, ``describe_comparison``, ``write_comparison``: lesson 02's DataParallel against DDP
   (``solutions/08_dp_vs_ddp.py``), samples/s and peak memory per device, as a line, a table (``results.md``),
@@ -15,6 +17,29 @@ import torch
 from common.cli import parse_size
 from common.memory import memory_kind
 from common.metrics import write_json
+
+
+def plot_accuracy_curves(curves: dict[str, list[float]], path, title: str, styles: dict | None = None) -> None:
+    """Plot test accuracy (%) against the epoch, one line per configuration, to the PNG ``path`` (folders created).
+
+    ``curves``: ``{label: [accuracy after epoch 1, after epoch 2, ...]}``, accuracies as fractions. ``styles``:
+    ``{label: matplotlib line options}`` for the labels that need them, such as ``{"linestyle": "--"}`` to tell a
+    variant from its original, or one ``color`` for a pair of related lines.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(9, 4.5), layout="tight")
+    axes = figure.subplots()
+    for label, accuracies in curves.items():
+        epochs = range(1, len(accuracies) + 1)
+        axes.plot(epochs, [100 * accuracy for accuracy in accuracies], label=label, **(styles or {}).get(label, {}))
+    axes.set(xlabel="epoch", ylabel="test accuracy (%)", title=title)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the curves, not on them
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
 
 
 def plot_bus_bandwidth(rows: list[dict], path, title: str) -> None:

@@ -1,5 +1,6 @@
 """The benchmarks run for real on small settings and print what they promise."""
 
+import json
 import re
 
 import pytest
@@ -165,3 +166,24 @@ def test_the_scaler_sync_benchmark_counts_one_host_read_per_step_in_step_and_one
         if line.strip().startswith(("no skip", "get_scale"))
     }
     assert reads == {"no skip count": 1, "get_scale after update": 2, "get_scale before and after": 3}
+
+
+def test_the_compression_benchmark_prints_a_row_per_configuration_and_powersgd_sends_over_10x_fewer_bytes(tmp_path):
+    results, plot = tmp_path / "compression.json", tmp_path / "compression.png"
+    run = run_command(
+        [PYTHON, REPO / "benchmarks/gradient_compression.py", "--configs", "allreduce", "powersgd-r2", "--seeds", "0"]
+        + ["--epochs", "1", "--json", results, "--plot", plot],
+        timeout=180,
+    )
+    assert run.returncode == 0, run.output
+    lines = run.stdout.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("configuration")))
+    header, plain, powersgd = (line.split() for line in lines[at : at + 3])
+    assert header[:4] == ["configuration", "MiB/step", "fewer", "bytes"]
+    assert plain[0] == "allreduce" and plain[2] == "1.0x" and plain[-1] == "+0.00"  # plain against itself
+    assert powersgd[0] == "powersgd-r2" and float(powersgd[2].rstrip("x")) > 10  # MLP at rank 2: about 100x
+    assert float(powersgd[1]) < float(plain[1]) / 10
+    assert lines[-2].startswith("goal, >= 10x fewer bytes") and "powersgd-r2 " in lines[-2]
+    figures = json.loads(results.read_text())
+    assert [run["config"] for run in figures["runs"]] == ["allreduce", "powersgd-r2"]
+    assert all(len(run["test_accuracy"]) == 1 for run in figures["runs"]) and plot.stat().st_size > 0
