@@ -410,3 +410,48 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
         return buffer
 
     return work.get_future().then(unpack_uncompressed_and_keep_errors)
+
+
+class OneGradientBucket:
+    """A stand-in for DDP's ``GradBucket`` holding one gradient, for calling a hook by hand: the five methods a hook
+    uses, and the same parameter object at every call (the hook's memory is keyed by it)."""
+
+    def __init__(self, shape):
+        self.parameter = torch.zeros(shape)
+        self.flat = torch.empty(self.parameter.numel())
+
+    def buffer(self):
+        return self.flat
+
+    def gradients(self):
+        return [self.flat.view(self.parameter.shape)]
+
+    def parameters(self):
+        return [self.parameter]
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+
+def constant_gradient_drift(env, hook, use_error_feedback: bool, steps: int, rank: int = 1) -> list[float]:
+    """Error feedback at work: every step hands ``hook`` (a PowerSGD hook) the same full-rank 16 x 12 gradient, one
+    per rank, to compress at ``rank`` with warm start from step 2. Returns, after each compressed step, how far the
+    mean of what the hook has delivered is from the true mean gradient, relative to its norm. Without error
+    feedback the same part is dropped every step and the distance stays; with it the distance shrinks like
+    1/steps. Call on every rank (the hook all-reduces)."""
+    gradient = torch.randn(16, 12, generator=torch.Generator().manual_seed(300 + env.rank))
+    mean = gradient.clone()
+    dist.all_reduce(mean)
+    mean /= env.world_size
+    state = PowerSGDByHand(None, rank, 2, 1, use_error_feedback, True, random_seed=0)
+    bucket, delivered, distances = OneGradientBucket(gradient.shape), torch.zeros_like(gradient), []
+    for step in range(steps + 2):
+        bucket.flat.copy_(gradient.reshape(-1))
+        hook(state, bucket).wait()
+        if step >= 2:  # the first two steps are plain all-reduce (start_powerSGD_iter=2)
+            delivered += bucket.gradients()[0]
+            distances.append(float((delivered / (step - 1) - mean).norm() / mean.norm()))
+    return distances

@@ -98,6 +98,13 @@ def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float]) -> dict:
     return {"alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_gb_s": 1 / beta / 1e9 if beta > 0 else float("inf")}
 
 
+def fit_all_reduce(env, sizes_bytes: list[int], iterations: int) -> dict:
+    """Time ``dist.all_reduce`` at ``sizes_bytes`` in ``env``'s process group and fit alpha and beta to the times
+    (``fit_alpha_beta``'s dict, plus the sizes and seconds). Call on every rank, under ``run_on_ranks`` or torchrun."""
+    seconds = time_all_reduce(sizes_bytes, iterations, env.device)
+    return {"sizes_bytes": sizes_bytes, "seconds": seconds, **fit_alpha_beta(sizes_bytes, seconds)}
+
+
 def predict_communication_seconds(bucket_bytes: list[int], fit: dict) -> float:
     """Seconds of one all-reduce per DDP bucket, by the alpha-beta ``fit``: the sum of alpha + beta * bytes.
 

@@ -133,6 +133,15 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
             [*torchrun, "solutions/10_zero_by_hand.py", *SOLUTION_ARGS, "--compute-dtype", "bf16"],
             180,
         ),
+        *(
+            Step(
+                f"11_powersgd ({hook}, compressing from step 2)",
+                "solutions",
+                [*torchrun, "solutions/11_powersgd.py", *SOLUTION_ARGS, "--hook", hook, "--start-iter", "2"],
+                180,
+            )
+            for hook in ("powersgd", "torch-powersgd")
+        ),
         Step(
             "mixed precision",
             "benchmarks",

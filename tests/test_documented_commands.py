@@ -128,6 +128,8 @@ NOT_RUN = {
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twin (--dataset digits) runs here",
     "torchrun --standalone --nproc_per_node=4 solutions/10_zero_by_hand.py --zero 3 --compute-dtype bf16":
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twins (--dataset digits) run here",
+    "torchrun --standalone --nproc_per_node=4 solutions/11_powersgd.py --model mlp":
+        f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twins (--dataset digits) run here",
     "torchrun --standalone --nproc_per_node=2 benchmarks/ddp_by_hand.py":
         "a benchmark, which times every build for most of a minute; tests/test_ddp_by_hand.py::test_the_benchmark_"
         "prints_a_row_per_build_with_its_ratio_to_torch_ddp runs it on small settings (make test-slow)",
@@ -148,6 +150,14 @@ NOT_RUN = {
     "python benchmarks/ddp_scaling.py --mode both --plot runs/ddp_scaling.png":
         "a benchmark, which launches five torchruns for most of a minute; notebooks/09_profiling_and_scaling.ipynb "
         "runs it under nbval on small settings",
+    "python benchmarks/gradient_compression.py --plot runs/gradient_compression.png":
+        "a benchmark, which trains 24 runs for minutes; notebooks/10_gradient_compression.ipynb runs it under nbval "
+        "on small settings",
+    ".venv/bin/python -m pytest tests/test_compression.py tests/labs/test_11_powersgd.py":
+        "test files of this suite, which the suite runs itself",
+    "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_11_powersgd.py":
+        "a starter fails its lab tests until the reader finishes it; "
+        "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
 }
 # fmt: on
 
