@@ -31,9 +31,9 @@ sends once PowerSGD is on, against the plain all-reduce's.
     torchrun --standalone --nproc_per_node=2 solutions/11_powersgd.py --dataset digits --hook torch-powersgd
 
     # a checkpoint after every epoch, with each rank's hook state; run again with more epochs to resume
-    torchrun --standalone --nproc_per_node=2 solutions/11_powersgd.py --dataset digits --epochs 2 \\
+    torchrun --standalone --nproc_per_node=2 solutions/11_powersgd.py --dataset digits --epochs 2 \
         --checkpoint-dir checkpoints/powersgd
-    torchrun --standalone --nproc_per_node=2 solutions/11_powersgd.py --dataset digits --epochs 4 \\
+    torchrun --standalone --nproc_per_node=2 solutions/11_powersgd.py --dataset digits --epochs 4 \
         --checkpoint-dir checkpoints/powersgd
 
     # 4 GPUs (NCCL is picked by itself), Fashion-MNIST; DeepMLP's 512 x 512 matrices compress 100x at rank 2
