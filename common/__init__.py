@@ -37,4 +37,6 @@ What a lesson builds or shows:
 - ``common.monitoring`` (09): device use sampled by a thread (NVML or psutil), per-rank summaries, TensorBoard.
 - ``common.scaling`` (09): strong and weak scaling efficiency, the latency-bandwidth model of an all-reduce.
 - ``common.compression`` (10): DDP communication hooks by hand: all-reduce, bf16, PowerSGD with its state.
+- ``common.pipeline`` (11): pipeline parallelism by hand: a model cut into stages, activations and gradients as
+  point-to-point messages, the naive, GPipe and 1F1B schedules, and their bubble and in-flight activations.
 """

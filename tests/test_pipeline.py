@@ -1,0 +1,226 @@
+"""Pipeline parallelism by hand (common/pipeline.py, lesson 11): equal to one process, and scheduled as claimed.
+
+One spawn per world size (2 and 4 gloo processes) trains DeepMLP cut into stages with every schedule (``runs``);
+the tests assert on what it returns: the parameters after three steps against one process trained on the whole
+batch with the whole model, the activations each stage held at once, the order of each rank's events, the
+messages sent, and a timeline whose causality the shared clock must show.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.launch import run_on_ranks
+from common.models import DeepMLP
+from common.pipeline import (
+    SCHEDULES,
+    Stage,
+    bubble_fraction_formula,
+    deep_mlp_layers,
+    gpipe,
+    measured_bubble_fraction,
+    stage_bounds,
+    stage_module,
+)
+
+WIDTH, DEPTH = 32, 6  # 8 layers (stem, 6 blocks, head): 4 per stage on 2 ranks, 2 per stage on 4
+BATCH, STEPS, LR = 16, 3, 0.1
+RUNS = [("naive", 1), ("gpipe", 4), ("1f1b", 4), ("gpipe", 8), ("1f1b", 8)]  # (schedule, micro-batches)
+
+
+def whole_batch(step: int):
+    """Step ``step``'s batch, the same in every process."""
+    generator = torch.Generator().manual_seed(step)
+    X = torch.randn(BATCH, *DeepMLP.input_shape, generator=generator)
+    y = torch.randint(0, 10, (BATCH,), generator=generator)
+    return X, y
+
+
+def make_model() -> DeepMLP:
+    torch.manual_seed(0)  # every rank builds the same model, then keeps its stage
+    return DeepMLP(width=WIDTH, depth=DEPTH)
+
+
+def train_stage(env, schedule: str, num_microbatches: int) -> dict:
+    """``STEPS`` SGD steps of this rank's stage under ``schedule``: its parameters, records and losses."""
+    module = stage_module(deep_mlp_layers(make_model()), env.rank, env.world_size)
+    stage = Stage(module, env.rank, env.world_size, DeepMLP.input_shape, BATCH)
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+    records, losses = [], []
+    for step in range(STEPS):
+        X, y = whole_batch(step)
+        inputs = X if stage.is_first else None
+        targets = y if stage.is_last else None
+        optimizer.zero_grad(set_to_none=True)
+        if schedule == "naive":
+            loss, record = SCHEDULES["naive"](stage, inputs, targets)
+        else:
+            loss, record = SCHEDULES[schedule](stage, num_microbatches, inputs, targets)
+        optimizer.step()
+        records.append(record)
+        losses.append(loss)
+    parameters = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    return {"parameters": parameters, "records": records, "losses": losses}
+
+
+def every_schedule(env) -> dict:
+    return {f"{schedule}/m={m}": train_stage(env, schedule, m) for schedule, m in RUNS}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda world_size: f"p={world_size}")
+def runs(request):
+    """Each rank's results of every run in ``RUNS`` on ``request.param`` processes: a list indexed by rank."""
+    return run_on_ranks(every_schedule, request.param, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    """The whole model trained on the whole batch in this process: its final layers and each step's loss."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        X, y = whole_batch(step)
+        loss = F.cross_entropy(model(X), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return {"layers": deep_mlp_layers(model), "losses": losses}
+
+
+@pytest.mark.timeout(150)
+def test_every_schedule_after_three_steps_equals_one_process_on_the_whole_batch(runs, one_process):
+    world_size = len(runs)
+    for rank, results in enumerate(runs):
+        expected = stage_module(one_process["layers"], rank, world_size).state_dict()
+        for run, result in results.items():
+            assert result["parameters"].keys() == expected.keys()
+            for name, tensor in expected.items():
+                torch.testing.assert_close(result["parameters"][name], tensor, msg=f"{run}, rank {rank}, {name}")
+    for run, result in runs[-1].items():
+        torch.testing.assert_close(torch.stack(result["losses"]), torch.stack(one_process["losses"]), msg=run)
+    for run, result in runs[0].items():
+        if world_size > 1:
+            assert result["losses"] == [None] * STEPS, f"{run}: only the last stage has a loss"
+
+
+@pytest.mark.timeout(150)
+def test_gpipe_holds_every_microbatch_and_1f1b_at_most_p_minus_rank(runs):
+    world_size = len(runs)
+    for rank, results in enumerate(runs):
+        for run, result in results.items():
+            schedule, m = run.split("/m=")
+            expected = {"naive": 1, "gpipe": int(m), "1f1b": min(int(m), world_size - rank)}[schedule]
+            peaks = [record["peak_in_flight"] for record in result["records"]]
+            assert peaks == [expected] * STEPS, f"{run}, rank {rank}"
+
+
+def expected_one_f_one_b(world_size: int, rank: int) -> list[str]:
+    """1F1B's events for 4 micro-batches, written out by hand (warm-up | steady | cool-down)."""
+    return {
+        (2, 0): ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],  # F0 | F1 B0 F2 B1 F3 B2 | B3
+        (2, 1): ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"],  # no warm-up
+        (4, 0): ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"],  # F0 F1 F2 | F3 B0 | B1 B2 B3
+        (4, 1): ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"],  # F0 F1 | F2 B0 F3 B1 | B2 B3
+        (4, 2): ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],  # F0 | F1 B0 F2 B1 F3 B2 | B3
+        (4, 3): ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"],
+    }[world_size, rank]
+
+
+@pytest.mark.timeout(150)
+def test_each_rank_runs_its_events_in_the_order_of_its_schedule(runs):
+    world_size = len(runs)
+    for rank, results in enumerate(runs):
+        orders = {
+            run: [[f"{e['kind']}{e['microbatch']}" for e in record["events"]] for record in result["records"]]
+            for run, result in results.items()
+        }
+        assert orders["naive/m=1"] == [["F0", "B0"]] * STEPS
+        for m in (4, 8):
+            all_forwards_then_backwards_in_reverse = [f"F{i}" for i in range(m)] + [f"B{i}" for i in reversed(range(m))]
+            assert orders[f"gpipe/m={m}"] == [all_forwards_then_backwards_in_reverse] * STEPS, f"rank {rank}"
+        assert orders["1f1b/m=4"] == [expected_one_f_one_b(world_size, rank)] * STEPS, f"rank {rank}"
+
+
+@pytest.mark.timeout(150)
+def test_each_stage_sends_one_activation_forward_and_one_gradient_back_per_microbatch(runs):
+    world_size = len(runs)
+    for rank, results in enumerate(runs):
+        for run, result in results.items():
+            m = int(run.split("/m=")[1])
+            expected = {"activations": 0 if rank == world_size - 1 else m, "gradients": 0 if rank == 0 else m}
+            assert [record["messages_sent"] for record in result["records"]] == [expected] * STEPS, f"{run}, {rank}"
+
+
+@pytest.mark.timeout(150)
+def test_the_timeline_is_causal_a_stage_starts_a_microbatch_after_its_neighbour_finished_it(runs):
+    """Each rank's events do not overlap, and stage r + 1's forward of a micro-batch starts after stage r's ended
+    (its backward, before stage r's): on one machine the ranks' ``perf_counter`` share one clock."""
+    for run in runs[0]:
+        for step in range(STEPS):
+            records = [results[run]["records"][step] for results in runs]
+            for record in records:
+                ends_and_next_starts = zip(record["events"], record["events"][1:])
+                assert all(event["end"] <= following["start"] for event, following in ends_and_next_starts)
+            for before, after in zip(records, records[1:]):
+                times = {(e["kind"], e["microbatch"]): e for e in before["events"]}
+                later = {(e["kind"], e["microbatch"]): e for e in after["events"]}
+                for (kind, microbatch), event in later.items():
+                    if kind == "F":
+                        assert times[kind, microbatch]["end"] < event["start"], f"{run}: F{microbatch}"
+                    else:
+                        assert event["end"] < times[kind, microbatch]["start"], f"{run}: B{microbatch}"
+            assert 0 < measured_bubble_fraction(records) < 1
+
+
+def test_the_bubble_formula():
+    assert bubble_fraction_formula(4, 1) == 0.75  # naive: 3 of 4 stages wait
+    assert bubble_fraction_formula(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction_formula(2, 8) == pytest.approx(1 / 9)
+    assert bubble_fraction_formula(1, 5) == 0  # one stage never waits
+
+
+def test_the_measured_bubble_is_the_mean_idle_share_of_the_step_span():
+    def event(start, end):
+        return {"kind": "F", "microbatch": 0, "start": start, "end": end}
+
+    # The step spans 0..4; rank 0 works 0..1 and 3..4 (idle 1/2), rank 1 works 1..3 (idle 1/2), rank 2 0..1 (3/4).
+    records = [{"events": [event(0, 1), event(3, 4)]}, {"events": [event(1, 3)]}, {"events": [event(0, 1)]}]
+    assert measured_bubble_fraction(records) == pytest.approx((0.5 + 0.5 + 0.75) / 3)
+    with pytest.raises(ValueError, match="no events"):
+        measured_bubble_fraction([{"events": []}])
+
+
+def test_stage_bounds_are_contiguous_and_balanced_by_count():
+    assert stage_bounds(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert stage_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]  # the first stages take the extra layers
+    assert stage_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert stage_bounds(5, 1) == [(0, 5)]
+    with pytest.raises(ValueError, match="cannot cut 3 layer"):
+        stage_bounds(3, 4)
+    with pytest.raises(ValueError, match="at least one stage"):
+        stage_bounds(3, 0)
+
+
+def test_the_deep_mlp_layers_in_sequence_are_the_model():
+    model = make_model()
+    layers = deep_mlp_layers(model)
+    X, _ = whole_batch(0)
+    torch.testing.assert_close(nn.Sequential(*layers)(X), model(X))
+    assert [id(p) for p in nn.Sequential(*layers).parameters()] == [id(p) for p in model.parameters()]
+    stages = [stage_module(layers, rank, 4) for rank in range(4)]
+    assert [len(stage) for stage in stages] == [2, 2, 2, 2]
+
+
+def test_a_batch_that_does_not_split_into_equal_microbatches_is_refused():
+    # One stage is first and last: no messages, no process group needed.
+    module = stage_module(deep_mlp_layers(make_model()), 0, 1)
+    stage = Stage(module, 0, 1, DeepMLP.input_shape, BATCH)
+    X, y = whole_batch(0)
+    with pytest.raises(ValueError, match="does not split into 3 equal"):
+        gpipe(stage, 3, X, y)
+    loss, record = gpipe(stage, 4, X, y)
+    torch.testing.assert_close(loss, F.cross_entropy(make_model()(X), y))
+    assert record["peak_in_flight"] == 4
