@@ -308,7 +308,10 @@ def measured_bubble_fraction(records: list[dict]) -> float:
     sending is asynchronous); its idle fraction is ``1 - busy / span``. The result is the mean over ranks, which is
     what ``bubble_fraction_formula`` predicts when stages are equal and messages free. Real stages are not equal
     (DeepMLP's first and last stages hold the larger layers and the loss) and messages take time, so the measured
-    fraction sits above the formula's.
+    fraction sits above the formula's, the more so as micro-batches shrink: each message costs about the same time
+    however small, and a smaller micro-batch computes for less (on two CPU cores with gloo, DeepMLP width 1024 and a
+    batch of 512 on 2 stages measured 0.50, 0.24 and 0.14 for the naive schedule, 1F1B with m = 4 and with m = 16,
+    against the formula's 0.50, 0.20 and 0.06).
 
     The ranks' times are comparable because ``time.perf_counter`` reads the machine's monotonic clock on Linux,
     shared by the processes on one machine; records from several machines would not share a time axis.
