@@ -39,4 +39,6 @@ What a lesson builds or shows:
 - ``common.compression`` (10): DDP communication hooks by hand: all-reduce, bf16, PowerSGD with its state.
 - ``common.pipeline`` (11): pipeline parallelism by hand: a model cut into stages, activations and gradients as
   point-to-point messages, the naive, GPipe and 1F1B schedules, and their bubble and in-flight activations.
+- ``common.tensor_parallel`` (12): tensor parallelism by hand (Megatron-LM): the f and g autograd functions,
+  column- and row-parallel linears, the MLP and self-attention split by heads, and torch's DTensor version.
 """

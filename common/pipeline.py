@@ -256,10 +256,14 @@ def gpipe(stage: Stage, num_microbatches: int, inputs=None, targets=None, loss_f
     Arguments and result as ``naive``.
     """
     state = _StepState(stage, num_microbatches, inputs, targets, loss_fn)
+    # BEGIN LAB: every forward, then every backward, the last micro-batch's first
+    # _forward(state, i) receives micro-batch i's input, computes and sends its output on; _backward(state, i)
+    # receives the gradient of its output, backpropagates (adding to .grad) and sends its input's gradient back.
     for microbatch in range(num_microbatches):
         _forward(state, microbatch)
     for microbatch in reversed(range(num_microbatches)):
         _backward(state, microbatch)
+    # END LAB
     return state.finish()
 
 

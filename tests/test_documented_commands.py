@@ -130,6 +130,8 @@ NOT_RUN = {
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twins (--dataset digits) run here",
     "torchrun --standalone --nproc_per_node=4 solutions/11_powersgd.py --model mlp":
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twins (--dataset digits) run here",
+    "torchrun --standalone --nproc_per_node=4 solutions/12_pipeline.py --schedule 1f1b --microbatches 8":
+        f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twins (--dataset digits) run here",
     "torchrun --standalone --nproc_per_node=2 benchmarks/ddp_by_hand.py":
         "a benchmark, which times every build for most of a minute; tests/test_ddp_by_hand.py::test_the_benchmark_"
         "prints_a_row_per_build_with_its_ratio_to_torch_ddp runs it on small settings (make test-slow)",

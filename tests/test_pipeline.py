@@ -76,6 +76,10 @@ def runs(request):
 
 @pytest.fixture(scope="module")
 def one_process() -> dict:
+    return train_one_process()
+
+
+def train_one_process() -> dict:
     """The whole model trained on the whole batch in this process: its final layers and each step's loss."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
