@@ -42,8 +42,9 @@ def make_model() -> DeepMLP:
     return DeepMLP(width=WIDTH, depth=DEPTH)
 
 
-def train_stage(env, schedule: str, num_microbatches: int) -> dict:
-    """``STEPS`` SGD steps of this rank's stage under ``schedule``: its parameters, records and losses."""
+def train_stage(env, schedule, num_microbatches: int) -> dict:
+    """``STEPS`` SGD steps of this rank's stage under ``schedule`` (a name in ``SCHEDULES``, or a function with
+    ``gpipe``'s arguments, such as a lab's): its parameters, records and losses."""
     module = stage_module(deep_mlp_layers(make_model()), env.rank, env.world_size)
     stage = Stage(module, env.rank, env.world_size, DeepMLP.input_shape, BATCH)
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
@@ -56,7 +57,8 @@ def train_stage(env, schedule: str, num_microbatches: int) -> dict:
         if schedule == "naive":
             loss, record = SCHEDULES["naive"](stage, inputs, targets)
         else:
-            loss, record = SCHEDULES[schedule](stage, num_microbatches, inputs, targets)
+            run = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+            loss, record = run(stage, num_microbatches, inputs, targets)
         optimizer.step()
         records.append(record)
         losses.append(loss)

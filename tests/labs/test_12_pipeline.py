@@ -11,12 +11,13 @@ model, the batches and the one-process reference are tests/test_pipeline.py's.
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common.launch import run_on_ranks
 from common.models import DeepMLP
 from common.pipeline import Stage, deep_mlp_layers, stage_module
 from tests.labs import load_lab
-from tests.test_pipeline import BATCH, LR, STEPS, make_model, train_one_process, whole_batch
+from tests.test_pipeline import BATCH, make_model, train_one_process, train_stage, whole_batch
 
 LAB = "12_pipeline"
 # What these tests call in the script: gpipe(stage, num_microbatches, inputs, targets) -> (loss, record), as
@@ -27,24 +28,27 @@ WORLD_SIZE, MICROBATCHES = 2, 4
 
 def lab_checks(env):
     lab = load_lab(LAB, NEEDS)
-    module = stage_module(deep_mlp_layers(make_model()), env.rank, env.world_size)
-    stage = Stage(module, env.rank, env.world_size, DeepMLP.input_shape, BATCH)
-    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
-    records, losses = [], []
-    for step in range(STEPS):
-        X, y = whole_batch(step)
-        optimizer.zero_grad(set_to_none=True)
-        loss, record = lab.gpipe(stage, MICROBATCHES, X if stage.is_first else None, y if stage.is_last else None)
-        optimizer.step()
-        records.append(record)
-        losses.append(loss)
-    out = {"parameters": {name: t.clone() for name, t in module.state_dict().items()}, "records": records}
-    out["losses"] = losses
+    out = train_stage(env, lab.gpipe, MICROBATCHES)
     args = lab.parse_args(
         ["--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "3", "--num-workers", "0"]
     )
     out["history"] = lab.train(args, env)
     return out
+
+
+def test_gpipe_on_a_single_stage_gives_the_whole_batch_gradients():
+    """One stage is first and last: no messages and no process group, only the micro-batches and their sum."""
+    gpipe = load_lab(LAB, NEEDS).gpipe
+    model, reference = make_model(), make_model()
+    stage = Stage(stage_module(deep_mlp_layers(model), 0, 1), 0, 1, DeepMLP.input_shape, BATCH)
+    X, y = whole_batch(0)
+    loss, record = gpipe(stage, MICROBATCHES, X, y)
+    whole = F.cross_entropy(reference(X), y)
+    whole.backward()
+    torch.testing.assert_close(loss, whole.detach())
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+    assert record["peak_in_flight"] == MICROBATCHES
 
 
 @pytest.fixture(scope="module")
