@@ -61,14 +61,18 @@ class CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, X):
+        # BEGIN LAB: f's forward: the input unchanged, as a new tensor object
         return X.view_as(X)  # a new tensor object that shares the data: autograd records f without a copy
+        # END LAB
 
     @staticmethod
     def backward(ctx, grad_output):
+        # BEGIN LAB: f's backward: the gradient summed over ranks
         # all_reduce works in place: reduce a copy, since autograd may still use grad_output elsewhere.
         grad = grad_output.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad)
         return grad
+        # END LAB
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
@@ -80,13 +84,17 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, partial):
+        # BEGIN LAB: g's forward: the partial results summed over ranks, the input left intact
         total = partial.clone(memory_format=torch.contiguous_format)  # in place below: leave the input intact
         dist.all_reduce(total)
         return total
+        # END LAB
 
     @staticmethod
     def backward(ctx, grad_output):
+        # BEGIN LAB: g's backward: the gradient of a sum with respect to each term
         return grad_output
+        # END LAB
 
 
 def copy_to_tensor_parallel(X: torch.Tensor) -> torch.Tensor:
@@ -127,8 +135,11 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_full(cls, linear: nn.Linear, rank: int, world_size: int) -> "ColumnParallelLinear":
         """Rank ``rank``'s column shard of ``linear``: its slice of the output features, weight and bias both."""
+        # BEGIN LAB: this rank's slice of the output features: rows of the (out, in) weight, and of the bias
+        # shard_range(features, rank, world_size, what) gives the slice; name what "out_features"
         rows = shard_range(linear.out_features, rank, world_size, "out_features")
         return cls(linear.weight[rows], linear.bias[rows])
+        # END LAB
 
     def forward(self, X):
         return F.linear(copy_to_tensor_parallel(X), self.weight, self.bias)
@@ -149,8 +160,11 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_full(cls, linear: nn.Linear, rank: int, world_size: int) -> "RowParallelLinear":
         """Rank ``rank``'s row shard of ``linear``: its slice of the input features, and the whole bias."""
+        # BEGIN LAB: this rank's slice of the input features: columns of the (out, in) weight; the bias whole
+        # shard_range(features, rank, world_size, what) gives the slice; name what "in_features"
         columns = shard_range(linear.in_features, rank, world_size, "in_features")
         return cls(linear.weight[:, columns], linear.bias)
+        # END LAB
 
     def forward(self, Y_shard):
         return reduce_from_tensor_parallel(F.linear(Y_shard, self.weight)) + self.bias

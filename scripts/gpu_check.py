@@ -149,6 +149,12 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
             180,
         ),
         Step(
+            "13_tensor_parallel (attention and MLP split over the GPUs by hand)",
+            "solutions",
+            [*torchrun, "solutions/13_tensor_parallel.py", *SOLUTION_ARGS],
+            180,
+        ),
+        Step(
             "mixed precision",
             "benchmarks",
             [

@@ -130,7 +130,9 @@ NOT_RUN = {
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twins (--dataset digits) run here",
     "torchrun --standalone --nproc_per_node=4 solutions/11_powersgd.py --model mlp":
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twins (--dataset digits) run here",
-    "torchrun --standalone --nproc_per_node=4 solutions/12_pipeline.py --schedule 1f1b --microbatches 8":
+    "torchrun --standalone --nproc_per_node=4 solutions/12_pipeline.py --microbatches 8":
+        f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twins (--dataset digits) run here",
+    "torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py":
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twins (--dataset digits) run here",
     "torchrun --standalone --nproc_per_node=2 benchmarks/ddp_by_hand.py":
         "a benchmark, which times every build for most of a minute; tests/test_ddp_by_hand.py::test_the_benchmark_"
