@@ -23,12 +23,17 @@ step the stages waited) against the formula (p-1)/(m+p-1), and the micro-batches
     torchrun --standalone --nproc_per_node=2 solutions/12_pipeline.py --dataset digits --schedule 1f1b \
         --microbatches 8
 
-    # 4 GPUs (NCCL is picked by itself), Fashion-MNIST: 4 stages
-    torchrun --standalone --nproc_per_node=4 solutions/12_pipeline.py --schedule 1f1b --microbatches 8
+    # 4 GPUs (NCCL is picked by itself), Fashion-MNIST: 4 stages, GPipe (1F1B is gloo-only here: see below)
+    torchrun --standalone --nproc_per_node=4 solutions/12_pipeline.py --microbatches 8
 
 The stages and schedules are written out in common/pipeline.py (lesson 11 shows them in full); labs/12_pipeline.py
 leaves the GPipe schedule to you. Every process trains on the same batches: the pipeline splits the model, not the
 data. ``--batch-size`` is the whole pipeline's batch, split into ``--microbatches``.
+
+1F1B runs on gloo only. Its neighbours send to each other at the same time (an activation forward, a gradient
+back); common/pipeline.py posts those sends with ``isend``, which is enough for gloo, but NCCL may hold a send
+until the matching receive runs, and the two must then be posted together (``dist.batch_isend_irecv``, as
+torch.distributed.pipelining's ``Schedule1F1B`` does). Rather than risk a hang, the script refuses 1F1B on NCCL.
 """
 
 import torch
@@ -78,7 +83,7 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "naive")
 def parse_args(argv=None):
     parser = training_arguments(__doc__.splitlines()[0])
     parser.set_defaults(model="mlp")  # a stack of layers to cut into stages
-    parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default="gpipe")
+    parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default="gpipe", help="1f1b: gloo only (see above)")
     parser.add_argument("--microbatches", type=positive_int, default=4, help="m: micro-batches per batch")
     return parser.parse_args(argv)
 
@@ -92,6 +97,10 @@ def train(args, env):
     print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
     if args.model != "mlp":
         raise ConfigurationError("error: the pipeline cuts DeepMLP into stages: use --model mlp")
+    if args.schedule == "1f1b" and env.backend == "nccl" and env.world_size > 1:
+        raise ConfigurationError(
+            "error: --schedule 1f1b is gloo-only here: facing sends need dist.batch_isend_irecv on NCCL (docstring)"
+        )
     if args.batch_size % args.microbatches:
         raise ConfigurationError(
             f"error: --batch-size {args.batch_size} must split into {args.microbatches} micro-batches"

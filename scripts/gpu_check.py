@@ -143,9 +143,9 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
             for hook in ("powersgd", "torch-powersgd")
         ),
         Step(
-            "12_pipeline (1F1B, a stage per GPU)",
+            "12_pipeline (GPipe, a stage per GPU)",
             "solutions",
-            [*torchrun, "solutions/12_pipeline.py", *SOLUTION_ARGS, "--schedule", "1f1b"],
+            [*torchrun, "solutions/12_pipeline.py", *SOLUTION_ARGS, "--schedule", "gpipe"],
             180,
         ),
         Step(
