@@ -230,3 +230,82 @@ def test_a_batch_that_does_not_split_into_equal_microbatches_is_refused():
     loss, record = gpipe(stage, 4, X, y)
     torch.testing.assert_close(loss, F.cross_entropy(make_model()(X), y))
     assert record["peak_in_flight"] == 4
+
+
+# The notebook's helpers (common/pipeline.py's measuring functions, lesson 11's notebook).
+
+
+@pytest.mark.timeout(90)
+def test_torch_pipelining_gpipe_on_the_same_stages_gives_the_gradients_of_one_process():
+    from common.pipeline import deep_mlp_batch, torch_pipelining_gradients
+
+    width, depth, batch, num_microbatches = 32, 2, 16, 4
+    ranks = run_on_ranks(torch_pipelining_gradients, 2, num_microbatches, width, depth, batch, timeout=60)
+    torch.manual_seed(0)  # the seed the stages were built with
+    model = DeepMLP(width=width, depth=depth)
+    X, y = deep_mlp_batch(batch, 0)
+    loss = F.cross_entropy(model(X), y)
+    loss.backward()
+    for rank, result in enumerate(ranks):
+        expected = {name: p.grad for name, p in stage_module(deep_mlp_layers(model), rank, 2).named_parameters()}
+        assert result["gradients"].keys() == expected.keys()
+        for name, grad in expected.items():
+            torch.testing.assert_close(result["gradients"][name], grad, msg=f"rank {rank}, {name}")
+    assert ranks[0]["loss"] is None
+    torch.testing.assert_close(ranks[1]["loss"], loss.detach())
+
+
+@pytest.mark.timeout(90)
+def test_time_runs_interleaves_every_run_and_records_each_step():
+    from common.pipeline import time_runs
+
+    runs = [("naive", 1), ("gpipe", 2), ("1f1b", 4), ("ddp", 2)]
+    ranks = run_on_ranks(time_runs, 2, runs, 16, 2, 8, 3, timeout=60)
+    for rank, results in enumerate(ranks):
+        assert list(results) == ["naive/m=1", "gpipe/m=2", "1f1b/m=4", "ddp"]
+        assert "records" not in results["ddp"]
+        for name, result in results.items():
+            assert len(result["step_seconds"]) == 3 and all(seconds > 0 for seconds in result["step_seconds"])
+        assert [record["peak_in_flight"] for record in results["1f1b/m=4"]["records"]] == [2 - rank] * 3
+        assert [len(record["events"]) for record in results["gpipe/m=2"]["records"]] == [4] * 3
+    # Interleaved: each run's second step starts after every run's first step ended.
+    first_round_end = max(ranks[0][name]["records"][0]["events"][-1]["end"] for name in ("naive/m=1", "1f1b/m=4"))
+    assert ranks[0]["naive/m=1"]["records"][1]["events"][0]["start"] > first_round_end
+
+
+def test_saved_activation_bytes_counts_each_saved_tensor_once_and_no_parameters():
+    from common.pipeline import saved_activation_bytes
+
+    rows = 4
+    # Linear saves its input (4 x 8) and its weight (a parameter: not counted); ReLU saves its output (4 x 16),
+    # which the second Linear saves again as its input: counted once.
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    assert saved_activation_bytes(module, torch.randn(rows, 8)) == (rows * 8 + rows * 16) * 4
+    assert saved_activation_bytes(module, torch.randn(2 * rows, 8)) == 2 * (rows * 8 + rows * 16) * 4
+    # A micro-batch that is a slice of a larger batch holds its own rows, not the batch's.
+    assert saved_activation_bytes(module, torch.randn(8 * rows, 8).chunk(8)[3]) == (rows * 8 + rows * 16) * 4
+
+
+def test_plot_timeline_draws_a_labelled_box_per_event_in_its_stage_row():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from common.pipeline import plot_timeline
+
+    def event(kind, microbatch, start, end):
+        return {"kind": kind, "microbatch": microbatch, "start": start, "end": end}
+
+    records = [
+        {"rank": 0, "events": [event("F", 0, 10.0, 10.001), event("B", 0, 10.004, 10.005)]},
+        {"rank": 1, "events": [event("F", 0, 10.002, 10.003), event("B", 0, 10.003, 10.004)]},
+    ]
+    fig, ax = plt.subplots()
+    plot_timeline(records, ax, "two stages")
+    boxes = [collection.get_paths()[0].get_extents() for collection in ax.collections]
+    assert [(round(box.x0, 6), round(box.x1, 6)) for box in boxes] == [(0, 1), (4, 5), (2, 3), (3, 4)]  # ms
+    assert [round((box.y0 + box.y1) / 2, 6) for box in boxes] == [0, 0, 1, 1]
+    assert [text.get_text() for text in ax.texts] == ["F0", "B0", "F0", "B0"]
+    assert ax.get_title() == "two stages"
+    plt.close(fig)

@@ -1,0 +1,225 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# %% [markdown]
+# # Lesson 11: pipeline parallelism
+#
+# The companion notebook of `lessons/11_pipeline_parallelism.md`. It runs the schedules of `common/pipeline.py`
+# (naive, GPipe, 1F1B) on DeepMLP cut into 2 stages, one per process, and shows what they do: each stage's
+# timeline, the bubble measured against the formula `(p-1)/(m+p-1)`, the activations each stage holds, the
+# throughput against data parallelism on the same two processes, and torch's own `torch.distributed.pipelining`
+# computing the same gradients. Every figure is measured on the machine that ran the notebook (the committed
+# outputs: 2 CPU cores, one process per core, gloo); the processes are started by `common.launch.run_on_ranks`,
+# which needs the functions it runs in a module, so they are in `common/pipeline.py`.
+#
+# All the timed runs share one process group and are interleaved (`time_runs`): round after round, one step of
+# each. Other work on the machine then slows one step of every run rather than every step of one, and the medians
+# over the rounds compare the runs fairly.
+
+# %% tags=["parameters"]
+import os
+
+QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
+# DeepMLP width 1024 (4 blocks) and a batch of 512: each stage computes for tens of milliseconds, messages are
+# small next to it, so the bubbles come near the formula. The quick run's model is smaller and its figures noisier.
+WIDTH, DEPTH, BATCH = (256, 4, 128) if QUICK else (1024, 4, 512)
+STEPS = 3 if QUICK else 10  # timed steps per run; the first is a warm-up and left out
+MICROBATCHES = [1, 2, 4, 8, 16]
+
+# %%
+import statistics
+
+import matplotlib.pyplot as plt
+import torch
+
+from common.launch import run_on_ranks
+from common.models import DeepMLP
+from common.pipeline import (
+    bubble_fraction_formula,
+    by_hand_gradients,
+    deep_mlp_layers,
+    measured_bubble_fraction,
+    plot_timeline,
+    saved_activation_bytes,
+    stage_module,
+    time_runs,
+    torch_pipelining_gradients,
+)
+
+STAGES = 2
+RUNS = [("naive", 1)] + [(schedule, m) for schedule in ("gpipe", "1f1b") for m in MICROBATCHES] + [("ddp", STAGES)]
+timed = run_on_ranks(time_runs, STAGES, RUNS, WIDTH, DEPTH, BATCH, STEPS, timeout=600)  # a list: one dict per rank
+
+
+def step_records(run: str, step: int) -> list[dict]:
+    """Every rank's record of one step of ``run``."""
+    return [rank_results[run]["records"][step] for rank_results in timed]
+
+
+def step_bubbles(run: str) -> list[float]:
+    """The measured bubble of each step of ``run`` but the first (a warm-up)."""
+    return [measured_bubble_fraction(step_records(run, step)) for step in range(1, STEPS)]
+
+
+def median_bubble(run: str) -> float:
+    return statistics.median(step_bubbles(run))
+
+
+def typical_step(run: str) -> int:
+    """The step whose bubble is the median one (the lower of the two middle ones)."""
+    bubbles = step_bubbles(run)
+    return 1 + bubbles.index(statistics.median_low(bubbles))
+
+
+def median_step_seconds(run: str) -> float:
+    return statistics.median(timed[0][run]["step_seconds"][1:])
+
+
+print(f"DeepMLP width {WIDTH}, depth {DEPTH} ({len(deep_mlp_layers(DeepMLP(width=WIDTH, depth=DEPTH)))} layers) ")
+print(f"in {STAGES} stages, a batch of {BATCH}; {STEPS} steps per run, the first left out of every median")
+
+# %% [markdown]
+# ## 1. Each stage's timeline
+#
+# One step of each run (the one with the median bubble) as each stage spent it: a box per forward (F, light) or
+# backward (B, dark) of a micro-batch, from the moment its computation started to the moment it ended (waiting
+# for a message is not in the box). The white is the bubble. Naive: stage 1 waits for stage 0's whole forward,
+# then stage 0 for stage 1's backward. GPipe: all forwards, then all backwards, the last micro-batch's first.
+# 1F1B: stage 0 runs one forward ahead, then alternates; stage 1 alternates from the start.
+
+# %%
+fig, axes = plt.subplots(3, 1, figsize=(10, 5.5), sharex=True)
+for ax, (run, title) in zip(axes, [("naive/m=1", "naive"), ("gpipe/m=4", "GPipe, m = 4"), ("1f1b/m=4", "1F1B, m = 4")]):
+    records = step_records(run, typical_step(run))
+    plot_timeline(records, ax, f"{title}: bubble {measured_bubble_fraction(records):.2f} measured")
+for ax in axes[:-1]:
+    ax.set_xlabel("")
+fig.tight_layout()
+plt.show()
+for run in ("naive/m=1", "gpipe/m=4", "1f1b/m=4"):
+    for record in step_records(run, typical_step(run)):
+        events = record["events"]
+        busy = sum(event["end"] - event["start"] for event in events) * 1e3
+        order = " ".join(f"{event['kind']}{event['microbatch']}" for event in events)
+        print(f"{run:<10} stage {record['rank']}: busy {busy:6.1f} ms  {order}")
+
+# %% [markdown]
+# ## 2. The bubble against the formula
+#
+# The measured bubble (the mean over stages of the share of the step a stage did not compute,
+# `measured_bubble_fraction`), median over the steps, for m = 1 to 16 micro-batches of the same batch.
+
+# %%
+print(f"{'m':>3} {'rows':>5} {'formula':>8} {'GPipe':>7} {'1F1B':>7}   step time GPipe, 1F1B")
+bubbles = {"gpipe": [], "1f1b": []}
+for m in MICROBATCHES:
+    for schedule in bubbles:
+        bubbles[schedule].append(median_bubble(f"{schedule}/m={m}"))
+    times = ", ".join(f"{median_step_seconds(f'{schedule}/m={m}') * 1e3:5.0f} ms" for schedule in bubbles)
+    formula = bubble_fraction_formula(STAGES, m)
+    print(f"{m:>3} {BATCH // m:>5} {formula:>8.2f} {bubbles['gpipe'][-1]:>7.2f} {bubbles['1f1b'][-1]:>7.2f}   {times}")
+print(f"naive: {median_bubble('naive/m=1'):.2f} measured, {bubble_fraction_formula(STAGES, 1):.2f} by the formula")
+
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot(MICROBATCHES, [bubble_fraction_formula(STAGES, m) for m in MICROBATCHES], "k--", label="(p-1)/(m+p-1)")
+ax.plot(MICROBATCHES, bubbles["gpipe"], "o-", label="GPipe, measured")
+ax.plot(MICROBATCHES, bubbles["1f1b"], "s-", label="1F1B, measured")
+ax.set(xscale="log", xticks=MICROBATCHES, xticklabels=MICROBATCHES, xlabel="micro-batches m", ylabel="bubble")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# The formula assumes equal stages and free messages. Neither holds: DeepMLP's first stage holds the 784-wide
+# input layer and the last the head and the loss, so one stage computes longer and the other waits for it; and
+# each micro-batch costs two messages and a few kernel launches whose time hardly depends on its size. As the
+# micro-batches shrink, their computation shrinks with them but that fixed cost does not, so the measured bubble
+# stops following the formula down and flattens; in the committed run the step itself gets longer again past
+# m = 4, the fixed costs of more micro-batches outweighing the smaller bubble. The formula's promise, more
+# micro-batches for a smaller bubble, holds only while each micro-batch still computes for much longer than its
+# messages take. The formula gives GPipe and 1F1B the same bubble; in the committed run GPipe's came out above
+# 1F1B's from m = 4 on, a measured difference that the formula's equal, free-messaging stages do not explain.
+#
+# ## 3. The activations each stage holds
+#
+# A micro-batch's activations stay alive from its forward to its backward. GPipe runs every forward before any
+# backward, so each stage holds all m; 1F1B holds at most `min(m, p - rank)`. The records count them
+# (`peak_in_flight`). The bytes of one micro-batch's activations on each stage are measured by
+# `saved_activation_bytes` (what autograd saves for the stage's backward, its received input included); the
+# peak is that times the micro-batches held.
+
+# %%
+layers = deep_mlp_layers(DeepMLP(width=WIDTH, depth=DEPTH))
+stages = [stage_module(layers, rank, STAGES) for rank in range(STAGES)]
+
+
+def bytes_per_microbatch(rows: int) -> list[int]:
+    """Each stage's saved activations for one micro-batch of ``rows`` rows, feeding each stage its real input."""
+    X, sizes = torch.randn(rows, *DeepMLP.input_shape), []
+    for stage in stages:
+        sizes.append(saved_activation_bytes(stage, X))
+        with torch.no_grad():
+            X = stage(X)
+    return sizes
+
+
+print(f"{'m':>3}  {'held GPipe':>10} {'held 1F1B':>10}   {'peak MiB GPipe':>16} {'peak MiB 1F1B':>16}   (stage 0, 1)")
+for m in MICROBATCHES:
+    sizes = bytes_per_microbatch(BATCH // m)
+    held = {
+        schedule: [timed[rank][f"{schedule}/m={m}"]["records"][-1]["peak_in_flight"] for rank in range(STAGES)]
+        for schedule in ("gpipe", "1f1b")
+    }
+    peak = {schedule: [f"{n * size / 2**20:.2f}" for n, size in zip(held[schedule], sizes)] for schedule in held}
+    held_cells = f"{str(held['gpipe']):>10} {str(held['1f1b']):>10}"
+    print(f"{m:>3}  {held_cells}   {', '.join(peak['gpipe']):>16} {', '.join(peak['1f1b']):>16}")
+
+# %% [markdown]
+# GPipe's peak does not fall as m grows: m micro-batches of `batch / m` rows are the whole batch's activations,
+# whatever m. 1F1B's falls as `1/m` once m passes the number of stages: stage 0 holds 2 micro-batches, stage 1
+# one. That is why 1F1B is the schedule pipelines use: the same bubble as GPipe, for the memory of `p`
+# micro-batches instead of `m`, so m can grow to shrink the bubble without running out of memory.
+#
+# ## 4. Throughput: pipeline against data parallelism on the same two processes
+#
+# The same model and the same batch (512 rows in the committed run): cut into 2 stages (GPipe and 1F1B, m = 8),
+# or whole on each process under DDP, each process taking half the batch (`time_runs`' run `"ddp"`).
+
+# %%
+for run in ("naive/m=1", "gpipe/m=8", "1f1b/m=8", "ddp"):
+    seconds = median_step_seconds(run)
+    print(f"{run:<10} {seconds * 1e3:6.0f} ms per step  {BATCH / seconds:7.0f} samples/s")
+
+# %% [markdown]
+# DDP keeps both processes computing the whole step and only all-reduces the gradients (one message per bucket,
+# overlapped with the backward); the pipeline loses its bubble and pays two messages per micro-batch. When the
+# model fits on one device, data parallelism is the faster way to use two; a pipeline is for a model that does
+# not fit, and then it is combined with data parallelism (each stage replicated), not chosen instead of it.
+#
+# ## 5. The same gradients from `torch.distributed.pipelining`
+#
+# torch's own pipeline: a `PipelineStage` built by hand around each rank's `nn.Sequential` (the same stages) and
+# `ScheduleGPipe` with 4 micro-batches. Rank 0 calls `schedule.step(X)`, the last rank
+# `schedule.step(target=y, losses=losses)`. Its gradients against `common.pipeline.gpipe`'s on the same batch:
+
+# %%
+theirs = run_on_ranks(torch_pipelining_gradients, STAGES, 4, WIDTH, DEPTH, BATCH, timeout=120)
+ours = run_on_ranks(by_hand_gradients, STAGES, 4, WIDTH, DEPTH, BATCH, timeout=120)
+for rank in range(STAGES):
+    differences = [
+        (theirs[rank]["gradients"][name] - grad).abs().max().item() for name, grad in ours[rank]["gradients"].items()
+    ]
+    print(f"stage {rank}: {len(differences)} gradients, largest difference {max(differences):.1e}")
+print(f"loss: torch {theirs[-1]['loss'].item():.6f}, by hand {ours[-1]['loss'].item():.6f}")
