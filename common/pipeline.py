@@ -188,6 +188,13 @@ class _StepState:
         return self.loss, record
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so that a clock read after it times the computation, not its launch. A
+    no-op on the CPU, where operations run when called."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _forward(state: _StepState, microbatch: int) -> None:
     """Micro-batch ``microbatch`` through this stage: receive its input, compute, send the output on."""
     stage = state.stage
@@ -197,6 +204,7 @@ def _forward(state: _StepState, microbatch: int) -> None:
         X = torch.empty(state.microbatch_shape_in, device=stage.device)
         dist.recv(X, src=stage.rank - 1)
         X.requires_grad_()  # its gradient is what this stage sends back to the previous one
+    _synchronize(stage.device)
     start = time.perf_counter()  # the event times computation only: waiting for a message is idle time
     output = stage.module(X)
     if stage.is_last:
@@ -204,6 +212,7 @@ def _forward(state: _StepState, microbatch: int) -> None:
         # the accumulated gradients are the whole batch's.
         output = state.loss_fn(output, state.target_chunks[microbatch]) / state.num_microbatches
         state.loss += output.detach()
+    _synchronize(stage.device)
     end = time.perf_counter()
     if not stage.is_last:
         # detach: the next stage gets the values; the graph to this output stays here, for the backward.
@@ -223,8 +232,10 @@ def _backward(state: _StepState, microbatch: int) -> None:
     else:
         output_grad = torch.empty(state.microbatch_shape_out, device=stage.device)
         dist.recv(output_grad, src=stage.rank + 1)
+    _synchronize(stage.device)
     start = time.perf_counter()
     torch.autograd.backward(output, grad_tensors=output_grad)
+    _synchronize(stage.device)
     end = time.perf_counter()
     if not stage.is_first:
         state.send(X.grad, dst=stage.rank - 1, what="gradients")
@@ -296,10 +307,11 @@ SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}
 def bubble_fraction_formula(num_stages: int, num_microbatches: int) -> float:
     """The fraction of a pipelined step that each stage spends idle: ``(p - 1) / (m + p - 1)`` (GPipe's paper).
 
-    With equal stages, a forward and a backward of one micro-batch take ``t`` on every stage; a stage works
-    ``m * t`` of a step that lasts ``(m + p - 1) * t``: the first stage's last micro-batch needs ``p - 1`` more
-    stage-times to reach the end, and its gradient as many to come back. The ``(p - 1) * t`` left over is idle.
-    GPipe and 1F1B share it; ``m = 1`` is the naive schedule's ``(p - 1) / p``.
+    With equal stages, a micro-batch's forward taking ``t_f`` and its backward ``t_b`` on every stage (messages
+    free), a stage is busy ``m (t_f + t_b)`` per step; filling the pipeline costs ``(p - 1) t_f`` and draining it
+    ``(p - 1) t_b`` of idle time on each stage (Narayanan et al. 2021, section 2.2.1), so the step lasts
+    ``(m + p - 1)(t_f + t_b)``, whatever the ratio of ``t_b`` to ``t_f``. GPipe and 1F1B share it; ``m = 1`` is
+    the naive schedule's ``(p - 1) / p``.
     """
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
@@ -313,9 +325,8 @@ def measured_bubble_fraction(records: list[dict]) -> float:
     what ``bubble_fraction_formula`` predicts when stages are equal and messages free. Real stages are not equal
     (DeepMLP's first and last stages hold the larger layers and the loss) and messages take time, so the measured
     fraction sits above the formula's, the more so as micro-batches shrink: each message costs about the same time
-    however small, and a smaller micro-batch computes for less (on two CPU cores with gloo, DeepMLP width 1024 and a
-    batch of 512 on 2 stages measured 0.50, 0.24 and 0.14 for the naive schedule, 1F1B with m = 4 and with m = 16,
-    against the formula's 0.50, 0.20 and 0.06).
+    however small, and a smaller micro-batch computes for less (notebooks/11_pipeline_parallelism.ipynb measures
+    it for m = 1 to 16 on two CPU cores with gloo).
 
     The ranks' times are comparable because ``time.perf_counter`` reads the machine's monotonic clock on Linux,
     shared by the processes on one machine; records from several machines would not share a time axis.

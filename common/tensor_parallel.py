@@ -135,7 +135,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_full(cls, linear: nn.Linear, rank: int, world_size: int) -> "ColumnParallelLinear":
         """Rank ``rank``'s column shard of ``linear``: its slice of the output features, weight and bias both."""
-        # BEGIN LAB: this rank's slice of the output features: rows of the (out, in) weight, and of the bias
+        # BEGIN LAB: this rank's output features: rows of the (out, in) weight, and of the bias
         # shard_range(features, rank, world_size, what) gives the slice; name what "out_features"
         rows = shard_range(linear.out_features, rank, world_size, "out_features")
         return cls(linear.weight[rows], linear.bias[rows])
@@ -160,7 +160,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_full(cls, linear: nn.Linear, rank: int, world_size: int) -> "RowParallelLinear":
         """Rank ``rank``'s row shard of ``linear``: its slice of the input features, and the whole bias."""
-        # BEGIN LAB: this rank's slice of the input features: columns of the (out, in) weight; the bias whole
+        # BEGIN LAB: this rank's input features: columns of the (out, in) weight; the bias whole
         # shard_range(features, rank, world_size, what) gives the slice; name what "in_features"
         columns = shard_range(linear.in_features, rank, world_size, "in_features")
         return cls(linear.weight[:, columns], linear.bias)

@@ -9,8 +9,8 @@ YOUR TASK: write the parts marked TODO below; the rest of this script and common
 - in ``CopyToTensorParallel.backward``: f's backward: the gradient summed over ranks
 - in ``ReduceFromTensorParallel.forward``: g's forward: the partial results summed over ranks, the input left intact
 - in ``ReduceFromTensorParallel.backward``: g's backward: the gradient of a sum with respect to each term
-- in ``ColumnParallelLinear.from_full``: this rank's slice of the output features: rows of the (out, in) weight, and of the bias
-- in ``RowParallelLinear.from_full``: this rank's slice of the input features: columns of the (out, in) weight; the bias whole
+- in ``ColumnParallelLinear.from_full``: this rank's output features: rows of the (out, in) weight, and of the bias
+- in ``RowParallelLinear.from_full``: this rank's input features: columns of the (out, in) weight; the bias whole
 Check your work with
 
     LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_13_tensor_parallel.py
@@ -121,9 +121,9 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_full(cls, linear: nn.Linear, rank: int, world_size: int) -> "ColumnParallelLinear":
         """Rank ``rank``'s column shard of ``linear``: its slice of the output features, weight and bias both."""
-        # TODO: this rank's slice of the output features: rows of the (out, in) weight, and of the bias
+        # TODO: this rank's output features: rows of the (out, in) weight, and of the bias
         # shard_range(features, rank, world_size, what) gives the slice; name what "out_features"
-        raise NotImplementedError("TODO: this rank's slice of the output features: rows of the (out, in) weight, and of the bias")
+        raise NotImplementedError("TODO: this rank's output features: rows of the (out, in) weight, and of the bias")
 
     def forward(self, X):
         return F.linear(copy_to_tensor_parallel(X), self.weight, self.bias)
@@ -144,9 +144,9 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_full(cls, linear: nn.Linear, rank: int, world_size: int) -> "RowParallelLinear":
         """Rank ``rank``'s row shard of ``linear``: its slice of the input features, and the whole bias."""
-        # TODO: this rank's slice of the input features: columns of the (out, in) weight; the bias whole
+        # TODO: this rank's input features: columns of the (out, in) weight; the bias whole
         # shard_range(features, rank, world_size, what) gives the slice; name what "in_features"
-        raise NotImplementedError("TODO: this rank's slice of the input features: columns of the (out, in) weight; the bias whole")
+        raise NotImplementedError("TODO: this rank's input features: columns of the (out, in) weight; the bias whole")
 
     def forward(self, Y_shard):
         return reduce_from_tensor_parallel(F.linear(Y_shard, self.weight)) + self.bias

@@ -159,6 +159,11 @@ NOT_RUN = {
         "on small settings",
     ".venv/bin/python -m pytest tests/test_compression.py tests/labs/test_11_powersgd.py":
         "test files of this suite, which the suite runs itself",
+    ".venv/bin/python -m pytest tests/test_pipeline.py tests/labs/test_12_pipeline.py":
+        "test files of this suite, which the suite runs itself",
+    "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_12_pipeline.py":
+        "a starter fails its lab tests until the reader finishes it; "
+        "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
     "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_11_powersgd.py":
         "a starter fails its lab tests until the reader finishes it; "
         "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
