@@ -12,13 +12,14 @@ order that work, each one optimizer step's forward and backward:
   the caller takes one optimizer step. While stage 1 works on micro-batch 0, stage 0 works on micro-batch 1: the
   bubble shrinks to ``(p - 1) / (m + p - 1)`` (``bubble_fraction_formula``), but every stage holds the
   activations of all ``m`` micro-batches until their backwards.
-- ``one_f_one_b`` (1F1B, the schedule of PipeDream-Flush, Narayanan et al. 2021,
-  https://arxiv.org/abs/2104.04473): the same work in another order. Stage ``r`` runs ``p - r - 1`` warm-up
-  forwards, then alternates one forward and one backward, then finishes the backwards left (cool-down). A
-  micro-batch's activations are freed as soon as its backward has run, so stage ``r`` holds at most
-  ``min(m, p - r)`` micro-batches instead of ``m``; the bubble is the same as GPipe's.
+- ``one_f_one_b`` (1F1B, the schedule of PipeDream-Flush, Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel
+  DNN Training", https://arxiv.org/abs/2006.09503): the same work in another order. Stage ``r`` runs ``p - r - 1``
+  warm-up forwards, then alternates one forward and one backward, then finishes the backwards left (cool-down). A
+  micro-batch's activations are freed as soon as its backward has run, so stage ``r`` holds at most ``min(m, p -
+  r)`` micro-batches instead of ``m``; the bubble is the same as GPipe's.
 
-All three compute exactly the gradients of one process that trains on the whole batch with the whole model: each
+All three compute the gradients of one process that trains on the whole batch with the whole model (up to float
+rounding: the sums run in another order): each
 micro-batch's loss is scaled by ``1 / m``, so the accumulated gradients are those of the whole batch's mean loss
 (tests/test_pipeline.py checks the parameters after several steps).
 
@@ -308,8 +309,9 @@ def bubble_fraction_formula(num_stages: int, num_microbatches: int) -> float:
     """The fraction of a pipelined step that each stage spends idle: ``(p - 1) / (m + p - 1)`` (GPipe's paper).
 
     With equal stages, a micro-batch's forward taking ``t_f`` and its backward ``t_b`` on every stage (messages
-    free), a stage is busy ``m (t_f + t_b)`` per step; filling the pipeline costs ``(p - 1) t_f`` and draining it
-    ``(p - 1) t_b`` of idle time on each stage (Narayanan et al. 2021, section 2.2.1), so the step lasts
+    free), a stage is busy ``m (t_f + t_b)`` per step; stage r waits ``r t_f`` at the start, ``(p - 1 - r)(t_f +
+    t_b)`` in the middle and ``r t_b`` at the end, ``(p - 1)(t_f + t_b)`` in all (Narayanan et al. 2021, "Efficient
+    Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2.1), so the step lasts
     ``(m + p - 1)(t_f + t_b)``, whatever the ratio of ``t_b`` to ``t_f``. GPipe and 1F1B share it; ``m = 1`` is
     the naive schedule's ``(p - 1) / p``.
     """
