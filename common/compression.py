@@ -412,28 +412,35 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
     return work.get_future().then(unpack_uncompressed_and_keep_errors)
 
 
-class OneGradientBucket:
-    """A stand-in for DDP's ``GradBucket`` holding one gradient, for calling a hook by hand: the five methods a hook
-    uses, and the same parameter object at every call (the hook's memory is keyed by it)."""
+class HandMadeBucket:
+    """What a communication hook uses of DDP's ``GradBucket``, built by hand to call a hook without DDP: a flat
+    buffer, views of it shaped as the gradients, the parameters (the same objects at every call: the hook's memory is
+    keyed by them), and where the bucket stands among the step's ``count`` buckets."""
 
-    def __init__(self, shape):
-        self.parameter = torch.zeros(shape)
-        self.flat = torch.empty(self.parameter.numel())
+    def __init__(self, index: int, count: int, gradients: list[torch.Tensor]):
+        self._index, self._count = index, count
+        self._buffer = torch.cat([g.reshape(-1) for g in gradients])
+        self._shapes = [g.shape for g in gradients]
+        self._parameters = [torch.zeros(shape) for shape in self._shapes]
 
     def buffer(self):
-        return self.flat
+        return self._buffer
 
     def gradients(self):
-        return [self.flat.view(self.parameter.shape)]
+        views, offset = [], 0
+        for shape in self._shapes:
+            views.append(self._buffer[offset : offset + math.prod(shape)].view(shape))
+            offset += math.prod(shape)
+        return views
 
     def parameters(self):
-        return [self.parameter]
+        return self._parameters
 
     def index(self):
-        return 0
+        return self._index
 
     def is_last(self):
-        return True
+        return self._index == self._count - 1
 
 
 def constant_gradient_drift(env, hook, use_error_feedback: bool, steps: int, rank: int = 1) -> list[float]:
@@ -447,9 +454,9 @@ def constant_gradient_drift(env, hook, use_error_feedback: bool, steps: int, ran
     dist.all_reduce(mean)
     mean /= env.world_size
     state = PowerSGDByHand(None, rank, 2, 1, use_error_feedback, True, random_seed=0)
-    bucket, delivered, distances = OneGradientBucket(gradient.shape), torch.zeros_like(gradient), []
+    bucket, delivered, distances = HandMadeBucket(0, 1, [gradient]), torch.zeros_like(gradient), []
     for step in range(steps + 2):
-        bucket.flat.copy_(gradient.reshape(-1))
+        bucket.buffer().copy_(gradient.reshape(-1))
         hook(state, bucket).wait()
         if step >= 2:  # the first two steps are plain all-reduce (start_powerSGD_iter=2)
             delivered += bucket.gradients()[0]

@@ -51,6 +51,7 @@ from common.compression import orthogonalize, powersgd_hook_by_hand  # noqa: F40
 
 # END LAB
 from common.distributed import ConfigurationError, print0, process_group, set_seed
+from common.memory import local_bytes
 from common.models import MODELS
 from common.training import TrainingHistory, finish_run, make_loaders, progress_bar, training_arguments
 
@@ -110,10 +111,6 @@ def register_hook(net: DDP, args):
     return state
 
 
-def gradient_mib(model) -> float:
-    return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-
-
 def train(args, env):
     print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
     if (args.error_feedback or args.warm_start) and args.start_iter < 2 and "powersgd" in args.hook:
@@ -129,7 +126,8 @@ def train(args, env):
     model = model_class(num_classes=data.num_classes).to(env.device)
     # On gloo torch's hook needs the model in one bucket (common/compression.py: with two it aborts).
     one_bucket = args.hook == "torch-powersgd" and env.backend == "gloo"
-    net = DDP(model, device_ids=env.device_ids, bucket_cap_mb=gradient_mib(model) + 1 if one_bucket else None)
+    bucket_cap_mb = local_bytes(model.parameters()) / 2**20 + 1 if one_bucket else None
+    net = DDP(model, device_ids=env.device_ids, bucket_cap_mb=bucket_cap_mb)
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     state = register_hook(net, args)
@@ -162,7 +160,7 @@ def train_one_epoch(net, batches, optimizer, device, step, args, bytes_per_step)
         with count_collectives() as log:  # the hooks are Python: their dist.all_reduce calls are seen
             loss.backward()  # DDP calls the hook once per bucket; it waits for their futures before returning
         if step == args.start_iter:
-            sent, plain = log.bytes("all_reduce"), gradient_mib(net.module) * 2**20
+            sent, plain = log.bytes("all_reduce"), local_bytes(net.module.parameters())
             bytes_per_step.update(bytes_sent_per_step=sent, plain_bytes_per_step=plain)
             print0(
                 f"step {step}: {log.count('all_reduce')} all-reduce(s), {sent / 2**20:.4f} MiB sent against "

@@ -3,9 +3,10 @@
 One process group of 2 ranks does everything (``every_check``, one spawn for the module); the tests below only
 assert. Two kinds of runs:
 
-- the PowerSGD hook called directly on hand-made buckets (``Bucket``: the five methods of ``GradBucket`` a hook
-  uses), with gradients the test knows on every rank: exact for a low-rank sum, equal to an independent
-  computation (QR, not Gram-Schmidt) for a general matrix, and the bytes of two buckets against the formula;
+- the PowerSGD hook called directly on hand-made buckets (``common.compression.HandMadeBucket``: the five methods
+  of ``GradBucket`` a hook uses), with gradients the test knows on every rank: exact for a low-rank sum, equal to an
+  independent computation (QR, not Gram-Schmidt) for a general matrix, and the bytes of two buckets against the
+  formula;
 - DDP on a small conv net: the by-hand hooks against torch's ``allreduce_hook``, ``bf16_compress_hook`` and
   ``powerSGD_hook`` with the same settings (one bucket: torch's hook needs it on gloo), a run stopped and resumed
   from the hook's ``state_dict``, and the by-hand hook with several buckets.
@@ -24,6 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.compression import (
+    HandMadeBucket,
     PowerSGDByHand,
     allreduce_hook_by_hand,
     bf16_compress_hook_by_hand,
@@ -37,36 +39,6 @@ WORLD_SIZE, STEPS, BATCH, LR, SEED = 2, 6, 8, 0.1, 7
 # (rank, error feedback, warm start, min_compression_rate). Rank 2 leaves the 3 x 32 head uncompressed (2*35*2 >
 # 96), rank 1 compresses it; rank 4 is where torch switches to QR.
 POWERSGD_CONFIGS = [(1, True, True, 2), (2, True, False, 2), (4, False, True, 1)]
-
-
-class Bucket:
-    """What a communication hook sees of DDP's ``GradBucket``: a flat buffer, views of it shaped as the
-    gradients, and where the bucket stands among the step's buckets."""
-
-    def __init__(self, index: int, count: int, gradients: list[torch.Tensor]):
-        self._index, self._count = index, count
-        self._buffer = torch.cat([g.reshape(-1) for g in gradients])
-        self._shapes = [g.shape for g in gradients]
-        self._parameters = [torch.zeros(shape) for shape in self._shapes]  # the same objects at every call
-
-    def buffer(self):
-        return self._buffer
-
-    def gradients(self):
-        views, offset = [], 0
-        for shape in self._shapes:
-            views.append(self._buffer[offset : offset + math.prod(shape)].view(shape))
-            offset += math.prod(shape)
-        return views
-
-    def parameters(self):
-        return self._parameters
-
-    def index(self):
-        return self._index
-
-    def is_last(self):
-        return self._index == self._count - 1
 
 
 def direct_gradients(rank: int):
@@ -133,7 +105,7 @@ def direct_checks(env):
         ("by_hand", PowerSGDByHand(*settings, random_seed=SEED), powersgd_hook_by_hand),
         ("torch", powerSGD_hook.PowerSGDState(*settings, random_seed=SEED), powerSGD_hook.powerSGD_hook),
     ]:
-        bucket = Bucket(0, 1, gradients)
+        bucket = HandMadeBucket(0, 1, gradients)
         hook(state, bucket).wait()
         out[name] = [g.clone() for g in bucket.gradients()]
 
@@ -147,7 +119,7 @@ def direct_checks(env):
         for index, bucket_shapes in enumerate(shapes):
             grads = [torch.randn(shape, generator=generator) for shape in bucket_shapes]
             for state, hook in [(by_hand, powersgd_hook_by_hand), (theirs, powerSGD_hook.powerSGD_hook)]:
-                hook(state, Bucket(index, len(shapes), [g.clone() for g in grads])).wait()
+                hook(state, HandMadeBucket(index, len(shapes), [g.clone() for g in grads])).wait()
         if step == 1:
             out["bucket_bytes"] = [list(by_hand.bucket_bytes[index]) for index in range(len(shapes))]
     out["bytes_sent_per_step"] = by_hand.bytes_sent_per_step

@@ -5,8 +5,8 @@ Runs against solutions/11_powersgd.py; with LAB_TARGET=labs, against your labs/1
     LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_11_powersgd.py
 
 The lab file is loaded inside each spawned process (by path), since a process can only run what it imports. One
-spawn of 2 ranks does everything; the tests below assert on what it returns. The hand-made buckets and the small
-conv net are tests/test_compression.py's.
+spawn of 2 ranks does everything; the tests below assert on what it returns. The hand-made buckets are
+common.compression.HandMadeBucket; the gradients and the small conv net are tests/test_compression.py's.
 """
 
 import json
@@ -16,13 +16,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from common.compression import constant_gradient_drift
+from common.compression import HandMadeBucket, constant_gradient_drift
 from common.launch import run_on_ranks
 from tests.labs import load_lab
 from tests.test_compression import (
     SEED,
     STEPS,
-    Bucket,
     batches,
     ddp_with,
     direct_gradients,
@@ -50,7 +49,7 @@ def lab_checks(env, tmp):
 
     out = {}
     # One compressed step on hand-made gradients: rank 2, from step 0, min rate 1, no memory.
-    bucket = Bucket(0, 1, direct_gradients(env.rank))
+    bucket = HandMadeBucket(0, 1, direct_gradients(env.rank))
     lab.powersgd_hook_by_hand(PowerSGDByHand(None, 2, 0, 1, False, False, random_seed=SEED), bucket).wait()
     out["direct"] = [g.clone() for g in bucket.gradients()]
 
