@@ -13,20 +13,25 @@ checkpoint from a damaged one. This module does the file side of that:
 - ``newest_valid_checkpoint`` walks the checkpoints from the newest down and returns the first that passes.
 
 Who writes (global rank 0 only) and what goes into the state is the training script's business:
-``solutions/05_multi_node.py`` shows both. ``fault_tolerance_arguments`` adds that script's options.
+``solutions/05_multi_node.py`` shows both. ``fault_tolerance_arguments`` adds that script's options, and
+``record`` is torchrun's ``@record`` with its error file written atomically (see ``AtomicErrorHandler``).
 """
 
 import argparse
 import hashlib
 import io
+import json
 import os
 import random
 import re
+import time
+import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import errors
 
 from common.checkpoint import atomic_write
 from common.cli import positive_int
@@ -42,6 +47,38 @@ def fault_tolerance_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--keep-checkpoints", type=positive_int, default=2, help="the newest N are kept")
     parser.add_argument("--fail-at-step", type=positive_int, help="test hook: the last rank fails here, first attempt")
     return parser
+
+
+class AtomicErrorHandler(errors.ErrorHandler):
+    """torchrun's error handler, with the worker's error file written atomically (temporary file + ``os.replace``).
+
+    ``@record`` writes a failing worker's traceback as JSON to the file named by ``TORCHELASTIC_ERROR_FILE``, and
+    torchrun's agent reads it when the worker has exited. When one worker fails, its peers fail too (their
+    collectives lose a member), and the agent sends SIGTERM to those still running. A peer killed between opening
+    its error file (which truncates it) and finishing the write leaves an empty or partial file, and torch's
+    ``ProcessFailure`` then raises ``JSONDecodeError`` inside the agent: torchrun itself crashes, and
+    ``--max-restarts`` never restarts anything (seen once in this course's CI, PyTorch 2.14.1). Written here to a
+    temporary file and renamed, the error file is either whole or absent; the agent handles an absent one.
+    """
+
+    def record_exception(self, e: BaseException) -> None:
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if not path:  # not under torchrun: torch's handler logs the error instead
+            return super().record_exception(e)
+        # The layout torch's ErrorHandler writes and ProcessFailure reads: a message with its traceback and time.
+        data = {
+            "message": {
+                "message": f"{type(e).__name__}: {e}",
+                "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
+            }
+        }
+        atomic_write(path, lambda file: file.write(json.dumps(data).encode()))
+
+
+def record(fn):
+    """torchrun's ``@record`` (a failing worker's traceback goes to the agent, whose summary names the rank), with
+    ``AtomicErrorHandler``'s atomic error file."""
+    return errors.record(fn, error_handler=AtomicErrorHandler())
 
 
 class CorruptCheckpoint(Exception):

@@ -38,7 +38,6 @@ from itertools import islice
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import unwrap
@@ -49,6 +48,7 @@ from common.fault_tolerance import (
     newest_valid_checkpoint,
     prune_checkpoints,
     read_verified,
+    record,
     restart_attempt,
     set_rng_state,
     step_checkpoint_file,
@@ -62,7 +62,7 @@ def parse_args(argv=None):
     return fault_tolerance_arguments(training_arguments(__doc__.splitlines()[0])).parse_args(argv)
 
 
-@record  # a failing worker's traceback goes to torchrun's error file, and its summary names the rank
+@record  # a failing worker's traceback reaches torchrun, whose summary names the rank (common.fault_tolerance)
 def main(args):
     with process_group(args.backend) as env:
         train(args, env)

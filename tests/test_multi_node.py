@@ -1,5 +1,7 @@
 """Lesson 07's machinery: verified checkpoints, RNG states, the rehearsal launcher and the launch files."""
 
+import json
+import os
 import signal
 import socket
 import subprocess
@@ -9,9 +11,11 @@ import time
 import pytest
 import torch
 import yaml
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from common.debugging import collective_mistakes
 from common.fault_tolerance import (
+    AtomicErrorHandler,
     CorruptCheckpoint,
     list_checkpoints,
     newest_valid_checkpoint,
@@ -151,6 +155,59 @@ def test_a_process_killed_while_saving_never_leaves_a_half_written_checkpoint(tm
     newest = newest_valid_checkpoint(tmp_path, log=lambda message: None)
     assert newest is not None, sorted(path.name for path in tmp_path.iterdir())
     assert torch.equal(read_verified(newest)["w"], torch.full((4_000_000,), float(read_verified(newest)["step"])))
+
+
+ERROR_WRITER = """
+from common.fault_tolerance import AtomicErrorHandler
+handler = AtomicErrorHandler()
+while True:
+    try:
+        raise RuntimeError("rank 0 lost its peer " + "x" * 20_000_000)
+    except RuntimeError as error:
+        handler.record_exception(error)  # about 40 MB of JSON: the message, and the traceback that repeats it
+    print("written", flush=True)
+"""
+
+
+def test_torchruns_agent_cannot_read_an_empty_error_file_and_raises_instead(tmp_path):
+    """The failure AtomicErrorHandler prevents: a worker killed by the agent's SIGTERM after opening its error file
+    (which truncates it) and before writing leaves it empty, and the agent's ProcessFailure raises (PyTorch 2.14.1)
+    instead of restarting the workers."""
+    (tmp_path / "error.json").write_text("")
+    with pytest.raises(json.JSONDecodeError):
+        ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(tmp_path / "error.json"))
+
+
+def test_an_atomic_error_file_is_whole_even_when_its_writer_is_killed_mid_write(tmp_path):
+    """With torch's own ErrorHandler in ERROR_WRITER instead, this failed in 2 of 3 runs (a partial file)."""
+    error_file = tmp_path / "error.json"
+    writer = subprocess.Popen(
+        [PYTHON, "-c", ERROR_WRITER],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)},
+    )
+    try:
+        assert writer.stdout.readline().strip() == "written"  # one whole file exists; the next writes are under way
+        time.sleep(0.3)
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=30)
+    # What torchrun's agent reads: the whole message, with the time it was written.
+    failure = ProcessFailure(local_rank=0, pid=writer.pid, exitcode=-9, error_file=str(error_file))
+    assert failure.message["message"].startswith("RuntimeError: rank 0 lost its peer xxx")
+    assert failure.timestamp > 0 and "Traceback" in failure.message["extraInfo"]["py_callstack"]
+
+
+def test_without_torchrun_the_atomic_handler_writes_no_file(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    try:
+        raise ValueError("not under torchrun")
+    except ValueError as error:
+        AtomicErrorHandler().record_exception(error)  # torch's handler logs it instead
+    assert list(tmp_path.iterdir()) == []
 
 
 def held_port():
