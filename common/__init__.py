@@ -40,5 +40,6 @@ What a lesson builds or shows:
 - ``common.pipeline`` (11): pipeline parallelism by hand: a model cut into stages, activations and gradients as
   point-to-point messages, the naive, GPipe and 1F1B schedules, and their bubble and in-flight activations.
 - ``common.tensor_parallel`` (12): tensor parallelism by hand (Megatron-LM): the f and g autograd functions,
-  column- and row-parallel linears, the MLP and self-attention split by heads, and torch's DTensor version.
+  column- and row-parallel linears, the MLP and self-attention split by heads, a transformer layer, torch's DTensor
+  version, and the 2-D mesh of data-parallel replicas x tensor-parallel ranks.
 """

@@ -19,6 +19,7 @@ every rank. They are for learning and measuring, not for training: NCCL and gloo
 - ``wrapped_dist_functions``: functions of ``torch.distributed`` replaced by wrappers for a block (both counters').
 """
 
+import inspect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -132,10 +133,11 @@ class AllReduceCounter:
 
     calls: int = 0
     bytes: int = 0
+    process_group: object = None  # DDP's: the data-parallel ranks (None: the whole world)
 
     @classmethod
     def attach(cls, ddp_model) -> "AllReduceCounter":
-        counter = cls()
+        counter = cls(process_group=ddp_model.process_group)
         ddp_model.register_comm_hook(counter, _counting_all_reduce_hook)
         return counter
 
@@ -146,7 +148,7 @@ class AllReduceCounter:
 def _counting_all_reduce_hook(counter: AllReduceCounter, bucket: dist.GradBucket):
     counter.calls += 1
     counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
-    return allreduce_hook(None, bucket)  # None: the default process group
+    return allreduce_hook(counter.process_group, bucket)  # over DDP's group, divided by its size
 
 
 @dataclass
@@ -241,12 +243,13 @@ COUNTED_COLLECTIVES = {
 class CollectiveCall:
     """One collective a rank started: its name in ``torch.distributed``, the bytes of the whole tensor it works on
     (the all-reduced or broadcast tensor, the reduce-scattered input, the all-gathered output), whether it was
-    started asynchronously, and when (``time.perf_counter()`` at the call)."""
+    started asynchronously, when (``time.perf_counter()`` at the call), and the global ranks of its group."""
 
     name: str
     bytes: int
     async_op: bool
     started: float
+    group_ranks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -281,10 +284,15 @@ def count_collectives():
     log = CollectiveLog()
 
     def counting(name, original):
+        signature = inspect.signature(original)
+
         def wrapper(*args, **kwargs):
             tensors = COUNTED_COLLECTIVES[name](*args, **kwargs)
             size = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-            log.calls.append(CollectiveCall(name, size, bool(kwargs.get("async_op", False)), time.perf_counter()))
+            group = signature.bind(*args, **kwargs).arguments.get("group") or dist.group.WORLD
+            ranks = tuple(dist.get_process_group_ranks(group))
+            call = CollectiveCall(name, size, bool(kwargs.get("async_op", False)), time.perf_counter(), ranks)
+            log.calls.append(call)
             return original(*args, **kwargs)
 
         return wrapper

@@ -250,18 +250,19 @@ def global_mean(total, count, device: torch.device | None = None) -> float:
     return (summed[0] / summed[1]).item()
 
 
-def replicas_in_sync(model: torch.nn.Module) -> bool:
-    """True when every rank holds exactly the same parameters: the proof that gradients were synchronized.
+def replicas_in_sync(model: torch.nn.Module, group=None) -> bool:
+    """True when every rank (of ``group``; None: the whole world) holds exactly the same parameters: the proof that
+    gradients were synchronized.
 
-    Compares the element-wise maximum and minimum over ranks (two all-reduces); call it on every rank. Works
-    for plain, DDP and FSDP2 models: a sharded (DTensor) parameter is gathered whole first, since its local
-    shards differ by design.
+    Compares the element-wise maximum and minimum over ranks (two all-reduces); call it on every rank of the
+    group. Works for plain, DDP and FSDP2 models: a sharded (DTensor) parameter is gathered whole first, since its
+    local shards differ by design.
     """
     if not dist.is_initialized():
         return True
     whole = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]  # gathers: collective
     flat = torch.cat([p.detach().reshape(-1) for p in whole]).double()
     highest, lowest = flat.clone(), flat.clone()
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
     return bool(torch.equal(highest, lowest))

@@ -41,7 +41,11 @@ by-hand version does: one ``c10d_functional.all_reduce`` in forward (``RowwisePa
 one in backward (the gradient of ``ColwiseParallel``'s replicated input, as ``f``), each of the activation's size;
 outputs and gradients equal the by-hand version's (tests/test_tensor_parallel.py).
 
-Everything here uses the default process group: in this lesson the whole world is one tensor-parallel group.
+Every collective here takes a ``group``: the ranks that share one tensor-parallel copy of the model, the whole world
+by default. With a 2-D mesh (``data_and_tensor_parallel_mesh``) the world is R data-parallel replicas of T
+tensor-parallel ranks: the TP all-reduces stay within the T ranks of a replica (``mesh["tp"]``), and each
+parameter's gradient, a slice or a replicated one, is averaged over the R ranks that hold the same piece
+(``mesh["dp"]``), as data parallelism does (``common.collectives.all_reduce_gradients`` with that group).
 """
 
 import math
@@ -60,18 +64,19 @@ class CopyToTensorParallel(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, X):
-        # BEGIN LAB: f's forward: the input unchanged, as a new tensor object
+    def forward(ctx, X, group=None):
+        # BEGIN LAB: f's forward: the input unchanged (a new tensor object); keep the group
+        ctx.group = group  # the tensor-parallel ranks (None: all of them)
         return X.view_as(X)  # a new tensor object that shares the data: autograd records f without a copy
         # END LAB
 
     @staticmethod
     def backward(ctx, grad_output):
-        # BEGIN LAB: f's backward: the gradient summed over ranks
+        # BEGIN LAB: f's backward: the gradient summed over the group (None for the group)
         # all_reduce works in place: reduce a copy, since autograd may still use grad_output elsewhere.
         grad = grad_output.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad)
-        return grad
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None  # one gradient per input of forward: X's, and none for the group
         # END LAB
 
 
@@ -83,28 +88,30 @@ class ReduceFromTensorParallel(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, partial):
-        # BEGIN LAB: g's forward: the partial results summed over ranks, the input left intact
+    def forward(ctx, partial, group=None):
+        # BEGIN LAB: g's forward: the partials summed over the group, the input left intact
         total = partial.clone(memory_format=torch.contiguous_format)  # in place below: leave the input intact
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
         return total
         # END LAB
 
     @staticmethod
     def backward(ctx, grad_output):
-        # BEGIN LAB: g's backward: the gradient of a sum with respect to each term
-        return grad_output
+        # BEGIN LAB: g's backward: the gradient of a sum for each term (None for the group)
+        return grad_output, None
         # END LAB
 
 
-def copy_to_tensor_parallel(X: torch.Tensor) -> torch.Tensor:
-    """Megatron's ``f`` applied to ``X``: identity forward, all-reduce backward (``CopyToTensorParallel``)."""
-    return CopyToTensorParallel.apply(X)
+def copy_to_tensor_parallel(X: torch.Tensor, group=None) -> torch.Tensor:
+    """Megatron's ``f`` applied to ``X``: identity forward, all-reduce over ``group`` backward
+    (``CopyToTensorParallel``)."""
+    return CopyToTensorParallel.apply(X, group)
 
 
-def reduce_from_tensor_parallel(partial: torch.Tensor) -> torch.Tensor:
-    """Megatron's ``g`` applied to ``partial``: all-reduce forward, identity backward (``ReduceFromTensorParallel``)."""
-    return ReduceFromTensorParallel.apply(partial)
+def reduce_from_tensor_parallel(partial: torch.Tensor, group=None) -> torch.Tensor:
+    """Megatron's ``g`` applied to ``partial``: all-reduce over ``group`` forward, identity backward
+    (``ReduceFromTensorParallel``)."""
+    return ReduceFromTensorParallel.apply(partial, group)
 
 
 def shard_range(features: int, rank: int, world_size: int, what: str = "features") -> slice:
@@ -124,25 +131,28 @@ class ColumnParallelLinear(nn.Module):
 
     ``weight`` is ``(out_features / N, in_features)`` and ``bias`` ``(out_features / N,)``: rows of PyTorch's
     ``(out, in)`` weight are columns of the paper's ``A``. The input is the whole, replicated activation; the
-    output is this rank's slice of the features, ready for a row-parallel linear.
+    output is this rank's slice of the features, ready for a row-parallel linear. ``group``: the N
+    tensor-parallel ranks (None: the whole world).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group=None):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().clone())
         self.bias = nn.Parameter(bias.detach().clone())
+        self.group = group
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, rank: int, world_size: int) -> "ColumnParallelLinear":
-        """Rank ``rank``'s column shard of ``linear``: its slice of the output features, weight and bias both."""
+    def from_full(cls, linear: nn.Linear, rank: int, world_size: int, group=None) -> "ColumnParallelLinear":
+        """Rank ``rank``'s column shard of ``linear``: its slice of the output features, weight and bias both.
+        ``rank`` and ``world_size`` count within ``group``, the tensor-parallel ranks."""
         # BEGIN LAB: this rank's output features: rows of the (out, in) weight, and of the bias
         # shard_range(features, rank, world_size, what) gives the slice; name what "out_features"
         rows = shard_range(linear.out_features, rank, world_size, "out_features")
-        return cls(linear.weight[rows], linear.bias[rows])
+        return cls(linear.weight[rows], linear.bias[rows], group)
         # END LAB
 
     def forward(self, X):
-        return F.linear(copy_to_tensor_parallel(X), self.weight, self.bias)
+        return F.linear(copy_to_tensor_parallel(X, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -150,24 +160,27 @@ class RowParallelLinear(nn.Module):
 
     ``weight`` is ``(out_features, in_features / N)``; ``bias`` is the whole ``(out_features,)``, the same on every
     rank, and added after the all-reduce, once. Its gradient is then the same on every rank with no communication.
+    ``group``: the N tensor-parallel ranks (None: the whole world).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group=None):
         super().__init__()
         self.weight = nn.Parameter(weight.detach().clone())
         self.bias = nn.Parameter(bias.detach().clone())
+        self.group = group
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, rank: int, world_size: int) -> "RowParallelLinear":
-        """Rank ``rank``'s row shard of ``linear``: its slice of the input features, and the whole bias."""
+    def from_full(cls, linear: nn.Linear, rank: int, world_size: int, group=None) -> "RowParallelLinear":
+        """Rank ``rank``'s row shard of ``linear``: its slice of the input features, and the whole bias. ``rank``
+        and ``world_size`` count within ``group``, the tensor-parallel ranks."""
         # BEGIN LAB: this rank's input features: columns of the (out, in) weight; the bias whole
         # shard_range(features, rank, world_size, what) gives the slice; name what "in_features"
         columns = shard_range(linear.in_features, rank, world_size, "in_features")
-        return cls(linear.weight[:, columns], linear.bias)
+        return cls(linear.weight[:, columns], linear.bias, group)
         # END LAB
 
     def forward(self, Y_shard):
-        return reduce_from_tensor_parallel(F.linear(Y_shard, self.weight)) + self.bias
+        return reduce_from_tensor_parallel(F.linear(Y_shard, self.weight), self.group) + self.bias
 
 
 class FeedForward(nn.Module):
@@ -197,11 +210,12 @@ class TensorParallelMLP(nn.Module):
         self.up, self.down = up, down
 
     @classmethod
-    def from_full(cls, mlp: FeedForward, rank: int, world_size: int) -> "TensorParallelMLP":
-        """Rank ``rank``'s shard of the whole ``mlp``, which every rank has built with the same weights."""
+    def from_full(cls, mlp: FeedForward, rank: int, world_size: int, group=None) -> "TensorParallelMLP":
+        """Rank ``rank``'s shard of the whole ``mlp``, which every rank has built with the same weights; ``rank`` of
+        ``world_size`` in ``group``, the tensor-parallel ranks (None: the whole world)."""
         return cls(
-            ColumnParallelLinear.from_full(mlp.up, rank, world_size),
-            RowParallelLinear.from_full(mlp.down, rank, world_size),
+            ColumnParallelLinear.from_full(mlp.up, rank, world_size, group),
+            RowParallelLinear.from_full(mlp.down, rank, world_size, group),
         )
 
     def forward(self, X):
@@ -254,20 +268,59 @@ class TensorParallelSelfAttention(nn.Module):
         self.qkv, self.out, self.head_dim = qkv, out, head_dim
 
     @classmethod
-    def from_full(cls, attention: SelfAttention, rank: int, world_size: int) -> "TensorParallelSelfAttention":
-        """Rank ``rank``'s heads of ``attention``. The heads, not only the features, must divide by the world
-        size: a head cut in two would need its halves' scores summed before the softmax."""
+    def from_full(
+        cls, attention: SelfAttention, rank: int, world_size: int, group=None
+    ) -> "TensorParallelSelfAttention":
+        """Rank ``rank``'s heads of ``attention`` (``rank`` of ``world_size`` in ``group``, as for the MLP). The
+        heads, not only the features, must divide by the world size: a head cut in two would need its halves'
+        scores summed before the softmax."""
         shard_range(attention.num_heads, rank, world_size, "num_heads")  # the ValueError, in heads
         projections = (attention.q, attention.k, attention.v)
         rows = shard_range(attention.q.out_features, rank, world_size, "out_features")
         qkv = ColumnParallelLinear(
-            torch.cat([p.weight[rows] for p in projections]), torch.cat([p.bias[rows] for p in projections])
+            torch.cat([p.weight[rows] for p in projections]), torch.cat([p.bias[rows] for p in projections]), group
         )
-        return cls(qkv, RowParallelLinear.from_full(attention.out, rank, world_size), attention.head_dim)
+        return cls(qkv, RowParallelLinear.from_full(attention.out, rank, world_size, group), attention.head_dim)
 
     def forward(self, X):
         queries, keys, values = self.qkv(X).chunk(3, dim=-1)
         return self.out(attend(queries, keys, values, self.head_dim))
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm transformer layer, whole: ``X + attention(norm(X))``, then that plus ``mlp(norm(...))``. The
+    norms stay whole on every rank under tensor parallelism; ``shard_block`` splits the attention and the MLP."""
+
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(d_model)
+        self.attention = SelfAttention(d_model, num_heads)
+        self.mlp_norm = nn.LayerNorm(d_model)
+        self.mlp = FeedForward(d_model)
+
+    def forward(self, X):
+        X = X + self.attention(self.attention_norm(X))
+        return X + self.mlp(self.mlp_norm(X))
+
+
+def shard_block(block: TransformerBlock, rank: int, world_size: int, group=None) -> TransformerBlock:
+    """Split ``block``'s attention (by heads) and MLP (by hidden features) in place: rank ``rank`` of ``world_size``
+    in ``group`` keeps its shards; the norms stay whole. Returns ``block``."""
+    block.attention = TensorParallelSelfAttention.from_full(block.attention, rank, world_size, group)
+    block.mlp = TensorParallelMLP.from_full(block.mlp, rank, world_size, group)
+    return block
+
+
+def parallelize_block(block: TransformerBlock, tp_mesh) -> TransformerBlock:
+    """torch's version of ``shard_block`` on the 1-D ``tp_mesh``: q, k, v and ``up`` sharded by output features
+    (``ColwiseParallel``: whole heads per rank for q, k, v), ``out`` and ``down`` by input features
+    (``RowwiseParallel``). With q, k and v three modules, backward all-reduces the attention's input gradient
+    three times, where ``TensorParallelSelfAttention`` stacks them behind one ``f`` and does it once."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {f"attention.{name}": ColwiseParallel() for name in ("q", "k", "v")}
+    plan |= {"attention.out": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
+    return parallelize_module(block, tp_mesh, plan)
 
 
 def mlp_all_reduce_bytes(batch_size: int, seq_len: int, d_model: int, element_size: int) -> int:
@@ -287,3 +340,24 @@ def parallelize_feed_forward(mlp: FeedForward, mesh):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     return parallelize_module(mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def data_and_tensor_parallel_mesh(device_type: str, tensor_parallel_size: int):
+    """A 2-D ``DeviceMesh`` of every rank, dimensions ``("dp", "tp")``: ``world_size / tensor_parallel_size``
+    data-parallel replicas, each of ``tensor_parallel_size`` tensor-parallel ranks.
+
+    Rank r is shard ``r % T`` of replica ``r // T`` (T the tensor-parallel size): a replica is T consecutive ranks,
+    on one node when T divides the GPUs per node, where tensor parallelism's two all-reduces per block and pass go
+    over the fast links (Megatron-LM keeps it within a node); the data-parallel all-reduce, once per step, crosses
+    nodes. ``mesh["tp"].get_group()`` and ``mesh["dp"].get_group()`` are this rank's two process groups,
+    ``mesh["tp"].get_local_rank()`` its shard. Every rank calls it (it creates process groups).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_size = dist.get_world_size()
+    if tensor_parallel_size < 1 or world_size % tensor_parallel_size:
+        raise ValueError(
+            f"a tensor-parallel size of {tensor_parallel_size} does not divide the world size {world_size}"
+        )
+    shape = (world_size // tensor_parallel_size, tensor_parallel_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "tp"))

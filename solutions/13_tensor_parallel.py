@@ -2,11 +2,15 @@
 
 Every process builds the same small model with the same seed: the rows of an image are its tokens, embedded, then
 one transformer layer (self-attention and an MLP, each with a residual), then a classifier head. The attention
-block and the MLP are split Megatron-style over all the processes (common/tensor_parallel.py): each rank keeps its
+block and the MLP are split Megatron-style over the processes (common/tensor_parallel.py): each rank keeps its
 heads of the attention and its slice of the MLP's hidden features, and two all-reduces per block and step put the
-results together (one forward, one backward). The embedding, the norms and the head are replicated. Every process
-trains on the same batches: tensor parallelism splits the layers, not the data. The script prints the all-reduces
-of the first training step, checks at the end that the replicated parameters are the same on every rank, and
+results together (one forward, one backward). The embedding, the norms and the head are replicated. The processes
+of one tensor-parallel group train on the same batches: tensor parallelism splits the layers, not the data.
+
+With ``--data-parallel R`` the processes form a 2-D mesh: R replicas of the model, each split over world_size / R
+processes, each replica on its own batches, the gradients averaged over the replicas (DDP over the data-parallel
+group by hand; FSDP2 over it with ``--tp torch``). The script prints the all-reduces of the first training step,
+checks at the end that the replicated parameters are the same on every rank and the shards on every replica, and
 evaluates test accuracy.
 
     # CPU, 2 processes (gloo), digits: the blocks split by hand
@@ -15,25 +19,41 @@ evaluates test accuracy.
     # the same split by torch's DTensor (parallelize_module with ColwiseParallel and RowwiseParallel)
     torchrun --standalone --nproc_per_node=2 solutions/13_tensor_parallel.py --dataset digits --tp torch
 
+    # 2-D: 2 data-parallel replicas x 2 tensor-parallel processes; by torch: DTensor TP, FSDP2 over the replicas
+    torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py --dataset digits --data-parallel 2
+    torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py --dataset digits --data-parallel 2 \
+        --tp torch
+
     # 4 GPUs (NCCL is picked by itself), Fashion-MNIST: a head and a quarter of the MLP per GPU
     torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py
 
 labs/13_tensor_parallel.py leaves Megatron's f and g (their forward and backward) and the column and row split of
-a linear's weight to you. ``--batch-size`` is every rank's batch, the same batch on every rank. With ``--tp torch``
-the backward pass makes four all-reduces, not two: the attention's q, k and v are three modules there, and each
-all-reduces its input's gradient, where the by-hand block stacks them into one column-parallel linear behind one f.
+a linear's weight to you. ``--batch-size`` is every replica's batch, the same batch on each rank of it. With
+``--tp torch`` the backward pass makes four all-reduces, not two: the attention's q, k and v are three modules there,
+and each all-reduces its input's gradient, where the by-hand block stacks them into one column-parallel linear
+behind one f.
 """
+
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common.checkpoint import unwrap
+from common.cli import positive_int
 from common.collectives import count_collectives
 from common.data import FirstBatches, load_data, make_loader
 from common.distributed import ConfigurationError, print0, process_group, replicas_in_sync, set_seed
 from common.metrics import evaluate
-from common.tensor_parallel import FeedForward, SelfAttention, mlp_all_reduce_bytes, parallelize_feed_forward
+from common.tensor_parallel import (
+    TransformerBlock,
+    data_and_tensor_parallel_mesh,
+    mlp_all_reduce_bytes,
+    parallelize_block,
+)
 
 # BEGIN LAB: apply the autograd Function (``.apply``), as Megatron's f or g
 from common.tensor_parallel import copy_to_tensor_parallel, reduce_from_tensor_parallel  # noqa: F401  # isort: skip
@@ -56,6 +76,12 @@ def parse_args(argv=None):
     parser = training_arguments(__doc__.splitlines()[0])
     parser.set_defaults(model="row-transformer")  # the script's own model: --model's choices are other scripts'
     parser.add_argument("--tp", choices=TP_CHOICES, default="by-hand", help="who splits the blocks")
+    parser.add_argument(
+        "--data-parallel",
+        type=positive_int,
+        default=1,
+        help="replicas of the model (a 2-D mesh): each split over world size / this many processes",
+    )
     return parser.parse_args(argv)
 
 
@@ -68,39 +94,43 @@ class RowTransformer(nn.Module):
         channels, height, width = input_shape
         self.embed = nn.Linear(width, d_model)
         self.position = nn.Embedding(channels * height, d_model)
-        self.attention_norm = nn.LayerNorm(d_model)
-        self.attention = SelfAttention(d_model, num_heads)
-        self.mlp_norm = nn.LayerNorm(d_model)
-        self.mlp = FeedForward(d_model)
+        self.layer = TransformerBlock(d_model, num_heads)
         self.head = nn.Linear(d_model, num_classes)
 
     def forward(self, images):
         X = self.embed(images.flatten(1, 2)) + self.position.weight  # (batch, channels * height, d_model)
-        X = X + self.attention(self.attention_norm(X))
-        X = X + self.mlp(self.mlp_norm(X))
-        return self.head(X.mean(dim=1))
+        return self.head(self.layer(X).mean(dim=1))
 
     def replicated(self) -> nn.ModuleList:
         """The modules every rank holds whole: all but the two blocks that tensor parallelism splits."""
-        return nn.ModuleList([module for name, module in self.named_children() if name not in ("attention", "mlp")])
+        layer = self.layer
+        return nn.ModuleList([self.embed, self.position, layer.attention_norm, layer.mlp_norm, self.head])
+
+    def split(self) -> nn.ModuleList:
+        """The two blocks that tensor parallelism splits: each rank holds its shard of them."""
+        return nn.ModuleList([self.layer.attention, self.layer.mlp])
 
 
-def shard_by_hand(model: RowTransformer, env) -> None:
-    """Replace the model's two blocks by this rank's shards of them (common.tensor_parallel)."""
-    model.attention = TensorParallelSelfAttention.from_full(model.attention, env.rank, env.world_size)
-    model.mlp = TensorParallelMLP.from_full(model.mlp, env.rank, env.world_size)
+def shard_by_hand(model: RowTransformer, mesh, env) -> nn.Module:
+    """Replace the model's two blocks by this rank's shards of them over the mesh's tensor-parallel group
+    (common.tensor_parallel); with several replicas, DDP over the data-parallel group averages the gradients."""
+    tp = mesh["tp"]
+    shard, size, group = tp.get_local_rank(), tp.size(), tp.get_group()
+    model.layer.attention = TensorParallelSelfAttention.from_full(model.layer.attention, shard, size, group)
+    model.layer.mlp = TensorParallelMLP.from_full(model.layer.mlp, shard, size, group)
+    if mesh["dp"].size() == 1:
+        return model
+    return DDP(model, device_ids=env.device_ids, process_group=mesh["dp"].get_group())
 
 
-def shard_with_torch(model: RowTransformer, env) -> None:
-    """The same split by torch's DTensor on a 1-D mesh of every rank: the MLP by ``parallelize_feed_forward``, the
-    attention's q, k and v by output features (whole heads per rank) and ``out`` by input features."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def shard_with_torch(model: RowTransformer, mesh, env) -> nn.Module:
+    """The same split by torch's DTensor on the mesh's tensor-parallel dimension (``parallelize_block``: q, k, v and
+    the MLP's first linear by output features, the two output linears by input features); with several replicas,
+    FSDP2 over the data-parallel dimension (as torchtitan does)."""
+    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
-    parallelize_feed_forward(model.mlp, mesh)
-    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "out": RowwiseParallel()}
-    parallelize_module(model.attention, mesh, plan)
+    parallelize_block(model.layer, mesh["tp"])
+    return model if mesh["dp"].size() == 1 else fully_shard(model, mesh=mesh["dp"])
 
 
 def main(args):
@@ -112,25 +142,30 @@ def train(args, env):
     print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
     if args.model != "row-transformer":
         raise ConfigurationError("error: this script builds its own model (rows of an image as tokens): no --model")
+    replicas = args.data_parallel
+    if env.world_size % replicas:
+        raise ConfigurationError(f"error: --data-parallel {replicas} does not divide the {env.world_size} processes")
+    tp_size = env.world_size // replicas
     for what, size in (("num_heads", NUM_HEADS), ("the MLP's hidden features", 4 * D_MODEL)):
-        if size % env.world_size:
-            raise ConfigurationError(f"error: {what}={size} do not split into {env.world_size} equal parts")
+        if size % tp_size:
+            raise ConfigurationError(f"error: {what}={size} do not split into {tp_size} equal parts")
+    mesh = data_and_tensor_parallel_mesh(env.device.type, tp_size)  # (replicas, tp_size); rank r: shard r % tp_size
     data = load_data(args.dataset, args.data_dir, INPUT_SHAPE)
-    # The same batches on every rank, for training and for testing: the ranks hold parts of one model, and their
-    # all-reduces add up partial results of the same samples.
+    # Each replica's own batches, the same on every rank of the replica: those ranks hold parts of one model, and
+    # their all-reduces add up partial results of the same samples. Every rank tests on the whole test set.
     train_iter = FirstBatches(
-        make_loader(data.train, args.batch_size, rank=0, world_size=1, train=True, seed=args.seed),
+        make_loader(data.train, args.batch_size, mesh["dp"].get_local_rank(), replicas, train=True, seed=args.seed),
         args.max_batches_per_epoch,
     )
     test_iter = make_loader(data.test, args.batch_size, rank=0, world_size=1, train=False)
 
     set_seed(args.seed)
     model = RowTransformer(data.num_classes).to(env.device)  # the same weights on every rank, then split
-    (shard_by_hand if args.tp == "by-hand" else shard_with_torch)(model, env)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    net = (shard_by_hand if args.tp == "by-hand" else shard_with_torch)(model, mesh, env)
+    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     print0(
-        f"tensor parallelism {args.tp} over {env.world_size} rank(s): {NUM_HEADS // env.world_size} of {NUM_HEADS} "
-        f"heads and {4 * D_MODEL // env.world_size} of the MLP's {4 * D_MODEL} hidden features per rank"
+        f"{replicas} replica(s) x tensor parallelism {args.tp} over {tp_size} rank(s): {NUM_HEADS // tp_size} of "
+        f"{NUM_HEADS} heads and {4 * D_MODEL // tp_size} of the MLP's {4 * D_MODEL} hidden features per rank"
     )
 
     history = []
@@ -141,13 +176,13 @@ def train(args, env):
             X, y = X.to(env.device), y.to(env.device)
             optimizer.zero_grad(set_to_none=True)
             if first_step is None:
-                loss, first_step = counted_step(model, X, y, args.tp)
+                loss, first_step = counted_step(net, X, y, args.tp)
             else:
-                loss = F.cross_entropy(model(X), y)
+                loss = F.cross_entropy(net(X), y)
                 loss.backward()
             optimizer.step()
             loss_sum, batches = loss_sum + loss.item(), batches + 1
-        history.append(report(epoch, args, env, model, test_iter, loss_sum / max(batches, 1), first_step))
+        history.append(report(epoch, args, env, mesh, net, test_iter, loss_sum / max(batches, 1), first_step))
     return history
 
 
@@ -155,7 +190,10 @@ def counted_step(model, X, y, tp: str):
     """One forward and backward, with the all-reduces of each counted: ``count_collectives`` for the by-hand
     blocks (dist.all_reduce), ``CommDebugMode`` for DTensor's (functional collectives, which dist does not see)."""
     counter = count_collectives if tp == "by-hand" else CommDebugMode
-    with counter() as forward_log:
+    with counter() as forward_log, warnings.catch_warnings():
+        # CommDebugMode tracks modules with backward hooks, which hand FSDP2 (--data-parallel) its output as a view,
+        # and FSDP2 warns against changing that view in place; the loss below reads it only.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         loss = F.cross_entropy(model(X), y)
     with counter() as backward_log:
         loss.backward()
@@ -174,12 +212,16 @@ def counted_step(model, X, y, tp: str):
     return loss, step
 
 
-def report(epoch, args, env, model, test_iter, train_loss, first_step):
-    """Print and return the epoch's loss, the first step's all-reduces, whether the replicated parameters are the
-    same on every rank, and the test accuracy (every rank computes the same outputs)."""
+def report(epoch, args, env, mesh, net, test_iter, train_loss, first_step):
+    """Print and return the epoch's loss (this replica's), the first step's all-reduces, whether the replicated
+    parameters are the same on every rank and each shard on every replica, and the test accuracy (every rank
+    computes the same outputs)."""
+    model = unwrap(net)
     in_sync = replicas_in_sync(model.replicated())
-    test = evaluate(model, test_iter, env.device)
+    shards_in_sync = replicas_in_sync(model.split(), group=mesh["dp"].get_group())
+    test = evaluate(net, test_iter, env.device)
     row = {"train loss": train_loss, "test accuracy": test["accuracy"], "replicas in sync": in_sync, **first_step}
+    row["shards in sync"] = shards_in_sync
     forward, backward = first_step["forward all-reduces"], first_step["backward all-reduces"]
     if args.tp == "by-hand":
         counted = f"{len(forward)} forward all-reduce(s) of {forward} bytes, {len(backward)} backward of {backward}"
@@ -188,7 +230,7 @@ def report(epoch, args, env, model, test_iter, train_loss, first_step):
     print0(
         f"epoch {epoch + 1}/{args.epochs}: train loss {train_loss:.4f} | test accuracy {test['accuracy']:.2%} | "
         f"first step: {counted}; the formula: {first_step['formula bytes']} bytes each | "
-        f"replicated parameters the same on every rank: {in_sync}"
+        f"replicated parameters the same on every rank: {in_sync}, shards on every replica: {shards_in_sync}"
     )
     return row
 

@@ -276,8 +276,11 @@ def test_a_general_matrix_is_the_direct_computation_with_the_same_q(results):
     expected = reference_powersgd(direct_gradients_all_ranks(), rank=2, seed=SEED)
     for got, want in zip(results[0]["direct"]["by_hand"], expected):
         torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-5, atol=1e-5)
+    # torch's hook on the same buckets: equal to float32 rounding, as under DDP (lesson 10: rtol 1e-4). Its sums
+    # and products run in another order; 1e-6 failed once in a make test run on the 2-core machine (4e-6 apart,
+    # 4e-5 relative).
     for got, want in zip(results[0]["direct"]["by_hand"], results[0]["direct"]["torch"]):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.timeout(150)

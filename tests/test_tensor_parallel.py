@@ -9,17 +9,22 @@ that the different order of the sums leaves the results equal to rounding:
 - 3 SGD steps of the tensor-parallel MLP equal 3 steps of one process training the whole MLP;
 - ``count_collectives``: one all-reduce forward and one backward per block, of ``mlp_all_reduce_bytes``;
 - torch's ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on gloo, from the same weights:
-  the same outputs and gradients, and what ``CommDebugMode`` counts forward and backward.
+  the same outputs and gradients, and what ``CommDebugMode`` counts forward and backward;
+- at world size 4, a 2-D mesh of 2 data-parallel replicas x 2 tensor-parallel ranks (attention, then the MLP):
+  3 SGD steps by hand (DDP over the replicas) and by torch (FSDP2 over the replicas, DTensor TP within) equal one
+  process on the whole batch; the TP all-reduces stay within a replica, DDP's go across replicas.
 """
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.collectives import count_collectives
-from common.launch import run_on_ranks
+from common.collectives import AllReduceCounter, count_collectives
+from common.launch import load_script, run_on_ranks
 from common.tensor_parallel import (
     ColumnParallelLinear,
     FeedForward,
@@ -27,10 +32,15 @@ from common.tensor_parallel import (
     SelfAttention,
     TensorParallelMLP,
     TensorParallelSelfAttention,
+    TransformerBlock,
+    data_and_tensor_parallel_mesh,
     mlp_all_reduce_bytes,
+    parallelize_block,
     parallelize_feed_forward,
+    shard_block,
     shard_range,
 )
+from tests.conftest import REPO
 
 WORLD_SIZES = (2, 4)
 BATCH, SEQ, D_MODEL, NUM_HEADS, STEPS, LR = 2, 3, 8, 4, 3, 0.1
@@ -80,10 +90,10 @@ def forward_backward(module, counted: bool):
     return {"output": output.detach().clone(), "input_grad": X.grad.clone(), "grads": gradients, "collectives": logs}
 
 
-def train(module, steps=STEPS):
-    """``steps`` SGD steps on the batch; the parameters at the end."""
+def train(module, steps=STEPS, data=None):
+    """``steps`` SGD steps on ``data`` (the batch by default); the parameters at the end."""
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
-    X, target = batch()
+    X, target = batch() if data is None else data
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         loss_of(module(X), target).backward()
@@ -136,6 +146,69 @@ def torch_checks(env):
     }
 
 
+TP_SIZE = 2  # the 2-D checks, in the world of 4: 2 data-parallel replicas of 2 tensor-parallel ranks
+
+
+def full_block():
+    """The 2-D checks' model, whole: a pre-norm transformer layer (norms, attention, MLP; TransformerBlock)."""
+    torch.manual_seed(5)
+    return TransformerBlock(D_MODEL, NUM_HEADS).to(DTYPE)
+
+
+def global_batch():
+    """The 2-D checks' batch: ``BATCH`` samples for each of the 2 replicas."""
+    generator = torch.Generator().manual_seed(4)
+    X = torch.randn(2 * BATCH, SEQ, D_MODEL, generator=generator, dtype=DTYPE)
+    return X, torch.randn(2 * BATCH, SEQ, D_MODEL, generator=generator, dtype=DTYPE)
+
+
+def two_d_checks(env):
+    """World size 4: the block on a 2 x 2 mesh, by hand (``shard_block``, then DDP over the replicas) and by torch
+    (``parallelize_block``, then FSDP2 over the replicas, as PyTorch's tensor-parallel tutorial and torchtitan do);
+    then solution 13 itself on the same mesh, both ways, for two batches."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = data_and_tensor_parallel_mesh("cpu", TP_SIZE)
+    shard, replica = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
+    X, target = global_batch()
+    mine = slice(replica * BATCH, (replica + 1) * BATCH)  # a replica's half of the batch, the same on its TP ranks
+    block = shard_block(full_block(), shard, TP_SIZE, mesh["tp"].get_group())
+    net = DDP(block, process_group=mesh["dp"].get_group())  # averages each shard's gradient over its replicas
+    counter = AllReduceCounter.attach(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        with count_collectives() as log:
+            loss_of(net(X[mine]), target[mine]).backward()
+        if step == 0:
+            calls = [[call.name, call.bytes, list(call.group_ranks)] for call in log.calls]
+            dp = {"calls": counter.calls, "bytes": counter.bytes}
+        optimizer.step()
+    theirs = fully_shard(parallelize_block(full_block(), mesh["tp"]), mesh=mesh["dp"])
+    theirs = train(theirs, data=(X[mine], target[mine]))
+    solution = load_script(REPO / "solutions" / "13_tensor_parallel.py")
+    quick = ["--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "2", "--num-workers", "0"]
+    script_runs = {
+        tp: solution.train(solution.parse_args([*quick, "--data-parallel", "2", "--tp", tp]), env)[0]
+        for tp in ("by-hand", "torch")
+    }
+    return {
+        "shard": shard,
+        "tp_ranks": dist_ranks(mesh["tp"].get_group()),
+        "dp_ranks": dist_ranks(mesh["dp"].get_group()),
+        "by_hand": {name: p.detach().clone() for name, p in block.named_parameters()},
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in block.parameters()),
+        "calls": calls,
+        "dp_all_reduces": dp,
+        "torch": {name: p.full_tensor().clone() for name, p in theirs.items()},
+        "script_runs": script_runs,
+    }
+
+
+def dist_ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
 def every_check(env):
     """Everything the tests assert on, from one process group."""
     return {
@@ -145,6 +218,7 @@ def every_check(env):
         ),
         "trained": train(TensorParallelMLP.from_full(full_mlp(), env.rank, env.world_size)),
         "torch": torch_checks(env),
+        "two_d": two_d_checks(env) if env.world_size == 4 else None,
     }
 
 
@@ -272,3 +346,68 @@ def test_the_row_parallel_bias_is_added_once_not_on_every_rank():
     partials = [F.linear(X[:, shard_range(8, rank, 2)], shard.weight) for rank, shard in enumerate(shards)]
     torch.testing.assert_close(sum(partials) + shards[0].bias, linear(X))
     assert not torch.allclose(sum(partial + shard.bias for partial, shard in zip(partials, shards)), linear(X))
+
+
+def block_slices(full: dict, rank: int, world_size: int) -> dict:
+    """Rank ``rank``'s slices of a full ``TransformerBlock``'s parameters, under the sharded block's names; the
+    norms whole."""
+
+    def part(prefix):
+        return {name.removeprefix(prefix): value for name, value in full.items() if name.startswith(prefix)}
+
+    attention = attention_slices(part("attention."), rank, world_size)
+    mlp = mlp_slices(part("mlp."), rank, world_size)
+    norms = {name: value for name, value in full.items() if "norm" in name}
+    return norms | {f"attention.{n}": v for n, v in attention.items()} | {f"mlp.{n}": v for n, v in mlp.items()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("results", [4], indirect=True, ids=["world4"])  # the 2-D checks ran in the world of 4
+def test_a_2x2_mesh_of_data_and_tensor_parallelism_after_three_steps_equals_one_process_by_hand_and_by_torch(results):
+    _, ranks = results
+    initial = dict(full_block().named_parameters())
+    expected = train(full_block(), data=global_batch())  # one process, the whole batch of both replicas
+    for rank, result in enumerate(ranks):
+        two_d = result["two_d"]
+        mine, before = block_slices(expected, two_d["shard"], TP_SIZE), block_slices(initial, two_d["shard"], TP_SIZE)
+        assert sorted(two_d["by_hand"]) == sorted(mine)
+        for name, parameter in two_d["by_hand"].items():
+            torch.testing.assert_close(parameter, mine[name], msg=f"by hand, rank {rank} {name}")
+            assert not torch.allclose(parameter, before[name])  # it did train
+        assert sorted(two_d["torch"]) == sorted(expected)
+        for name, parameter in two_d["torch"].items():  # full_tensor(): whole, gathered over both mesh dimensions
+            torch.testing.assert_close(parameter, expected[name], msg=f"torch, rank {rank} {name}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("results", [4], indirect=True, ids=["world4"])
+def test_on_the_2x2_mesh_tp_all_reduces_stay_in_a_replica_and_ddp_all_reduces_the_shards_across_replicas(results):
+    _, ranks = results
+    activation_bytes = mlp_all_reduce_bytes(BATCH, SEQ, D_MODEL, torch.finfo(DTYPE).bits // 8)
+    for rank, result in enumerate(ranks):
+        two_d = result["two_d"]
+        # Rank r is shard r % 2 of replica r // 2: TP groups {0, 1} and {2, 3}; DP groups {0, 2} and {1, 3}.
+        assert two_d["tp_ranks"] == [rank - rank % 2, rank - rank % 2 + 1] and two_d["shard"] == rank % 2
+        assert two_d["dp_ranks"] == [rank % 2, rank % 2 + 2]
+        # In its TP group, of a replica's activations: one all-reduce forward per block (g) and one backward (f).
+        # Then DDP's one bucket: this rank's parameter shards and its whole norms, over its DP group, once the
+        # attention norm's gradients, the last, are ready. (count_collectives sees DDP's all-reduce because
+        # AllReduceCounter's hook makes it from Python.)
+        tp = ["all_reduce", activation_bytes, two_d["tp_ranks"]]
+        assert two_d["calls"] == [tp] * 4 + [["all_reduce", two_d["parameter_bytes"], two_d["dp_ranks"]]]
+        assert two_d["dp_all_reduces"] == {"calls": 1, "bytes": two_d["parameter_bytes"]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("results", [4], indirect=True, ids=["world4"])
+def test_solution_13_on_a_2x2_mesh_keeps_the_shards_in_sync_and_its_two_versions_agree(results):
+    _, ranks = results
+    for result in ranks:
+        runs = result["two_d"]["script_runs"]
+        for tp, run in runs.items():
+            assert run["replicas in sync"] is True and run["shards in sync"] is True, tp
+        # By hand (DDP over the replicas) and torch's (FSDP2 over them) train the same model on the same batches.
+        assert runs["by-hand"]["train loss"] == pytest.approx(runs["torch"]["train loss"], rel=1e-5)
+        assert runs["by-hand"]["test accuracy"] == runs["torch"]["test accuracy"]
+    # The two ranks of replica 0 computed the same.
+    assert ranks[0]["two_d"]["script_runs"] == ranks[1]["two_d"]["script_runs"]
