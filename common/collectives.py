@@ -243,13 +243,16 @@ COUNTED_COLLECTIVES = {
 class CollectiveCall:
     """One collective a rank started: its name in ``torch.distributed``, the bytes of the whole tensor it works on
     (the all-reduced or broadcast tensor, the reduce-scattered input, the all-gathered output), whether it was
-    started asynchronously, when (``time.perf_counter()`` at the call), and the global ranks of its group."""
+    started asynchronously, when (``time.perf_counter()`` at the call), when the call returned (for a blocking
+    call, when the collective had finished on this rank; for an asynchronous one, when it was queued), and the
+    global ranks of its group."""
 
     name: str
     bytes: int
     async_op: bool
     started: float
     group_ranks: tuple[int, ...] = ()
+    returned: float = 0.0
 
 
 @dataclass
@@ -293,7 +296,9 @@ def count_collectives():
             ranks = tuple(dist.get_process_group_ranks(group))
             call = CollectiveCall(name, size, bool(kwargs.get("async_op", False)), time.perf_counter(), ranks)
             log.calls.append(call)
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            call.returned = time.perf_counter()
+            return result
 
         return wrapper
 

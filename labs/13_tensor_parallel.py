@@ -34,10 +34,12 @@ evaluates test accuracy.
     # the same split by torch's DTensor (parallelize_module with ColwiseParallel and RowwiseParallel)
     torchrun --standalone --nproc_per_node=2 solutions/13_tensor_parallel.py --dataset digits --tp torch
 
-    # 2-D: 2 data-parallel replicas x 2 tensor-parallel processes; by torch: DTensor TP, FSDP2 over the replicas
-    torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py --dataset digits --data-parallel 2
+    # 2-D: 2 data-parallel replicas x 2 tensor-parallel processes, 32 samples per replica: the global batch of 64
+    # of the first command, so the same training to float rounding; by torch: DTensor TP, FSDP2 over the replicas
     torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py --dataset digits --data-parallel 2 \
-        --tp torch
+        --batch-size 32
+    torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py --dataset digits --data-parallel 2 \
+        --batch-size 32 --tp torch
 
     # 4 GPUs (NCCL is picked by itself), Fashion-MNIST: a head and a quarter of the MLP per GPU
     torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py
@@ -52,6 +54,7 @@ behind one f.
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
@@ -72,7 +75,6 @@ from common.tensor_parallel import (
 
 from common.training import progress_bar, training_arguments
 # What the functions you write below use:
-import torch.distributed as dist
 from common.tensor_parallel import FeedForward, SelfAttention, attend, shard_range
 
 
@@ -352,7 +354,10 @@ def train(args, env):
                 loss.backward()
             optimizer.step()
             loss_sum, batches = loss_sum + loss.item(), batches + 1
-        history.append(report(epoch, args, env, mesh, net, test_iter, loss_sum / max(batches, 1), first_step))
+        # The mean over the replicas, which trained on different batches: the loss of every sample of the epoch.
+        train_loss = torch.tensor(loss_sum / max(batches, 1), device=env.device)
+        dist.all_reduce(train_loss, group=mesh["dp"].get_group())
+        history.append(report(epoch, args, env, mesh, net, test_iter, train_loss.item() / replicas, first_step))
     return history
 
 
@@ -383,7 +388,7 @@ def counted_step(model, X, y, tp: str):
 
 
 def report(epoch, args, env, mesh, net, test_iter, train_loss, first_step):
-    """Print and return the epoch's loss (this replica's), the first step's all-reduces, whether the replicated
+    """Print and return the epoch's loss, the first step's all-reduces, whether the replicated
     parameters are the same on every rank and each shard on every replica, and the test accuracy (every rank
     computes the same outputs)."""
     model = unwrap(net)

@@ -167,6 +167,16 @@ NOT_RUN = {
     "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_11_powersgd.py":
         "a starter fails its lab tests until the reader finishes it; "
         "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
+    "torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py --dataset digits --data-parallel 2 "
+    "--batch-size 32":
+        "notebooks/12_tensor_parallelism.ipynb runs the same launch under nbval (--num-workers 0, 2 batches); "
+        "tests/test_tensor_parallel.py::test_solution_13_on_a_2x2_mesh_keeps_the_shards_in_sync_and_its_two_"
+        "versions_agree checks what its training computes",
+    ".venv/bin/python -m pytest tests/test_tensor_parallel.py tests/labs/test_13_tensor_parallel.py":
+        "test files of this suite, which the suite runs itself",
+    "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_13_tensor_parallel.py":
+        "a starter fails its lab tests until the reader finishes it; "
+        "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
 }
 # fmt: on
 

@@ -406,8 +406,31 @@ def test_solution_13_on_a_2x2_mesh_keeps_the_shards_in_sync_and_its_two_versions
         runs = result["two_d"]["script_runs"]
         for tp, run in runs.items():
             assert run["replicas in sync"] is True and run["shards in sync"] is True, tp
+        # Per rank and step, two blocks: by hand one all-reduce forward (g) and one backward (f) each, of the
+        # (batch, rows, d_model) activation; torch's the same forward, but backward four: q, k and v each
+        # all-reduce their input's gradient, where the by-hand attention stacks them behind one f.
+        assert runs["by-hand"]["forward all-reduces"] == runs["by-hand"]["backward all-reduces"]
+        assert runs["by-hand"]["forward all-reduces"] == [runs["by-hand"]["formula bytes"]] * 2
+        assert (runs["torch"]["forward all-reduces"], runs["torch"]["backward all-reduces"]) == (2, 4)
         # By hand (DDP over the replicas) and torch's (FSDP2 over them) train the same model on the same batches.
         assert runs["by-hand"]["train loss"] == pytest.approx(runs["torch"]["train loss"], rel=1e-5)
         assert runs["by-hand"]["test accuracy"] == runs["torch"]["test accuracy"]
     # The two ranks of replica 0 computed the same.
     assert ranks[0]["two_d"]["script_runs"] == ranks[1]["two_d"]["script_runs"]
+
+
+def test_a_row_split_first_linear_would_need_the_sum_before_the_gelu():
+    """Without a process group, by arithmetic: cut the MLP's first linear by rows of A (input features) and each
+    rank holds a partial pre-activation; the GELU of their sum is not the sum of their GELUs, so an all-reduce would
+    have to come before the GELU. Cut by columns of A (output features), the GELU runs on each slice alone."""
+    torch.manual_seed(6)
+    up = nn.Linear(8, 32).to(DTYPE)
+    X = torch.randn(5, 8, dtype=DTYPE)
+    whole = F.gelu(up(X))
+    halves = [shard_range(8, rank, 2) for rank in range(2)]
+    partials = [F.linear(X[:, half], up.weight[:, half]) for half in halves]  # each rank's share of X A
+    torch.testing.assert_close(F.gelu(sum(partials) + up.bias), whole)  # summed first, then GELU: right
+    assert not torch.allclose(F.gelu(partials[0] + up.bias) + F.gelu(partials[1]), whole)  # GELU per rank: wrong
+    columns = [shard_range(32, rank, 2) for rank in range(2)]
+    slices = [F.gelu(F.linear(X, up.weight[cols], up.bias[cols])) for cols in columns]
+    torch.testing.assert_close(torch.cat(slices, dim=-1), whole)  # by columns: no sum needed before the GELU

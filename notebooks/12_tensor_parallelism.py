@@ -1,0 +1,235 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Lesson 12: tensor parallelism
+#
+# The companion notebook of `lessons/12_tensor_parallelism.md`. It splits a transformer layer Megatron-style over
+# two processes (`common/tensor_parallel.py`: the attention by heads, the MLP by hidden features, Megatron's `f`
+# and `g` around them) and measures what that costs and saves: the split checked against the whole layer and
+# against torch's DTensor version, the bytes each rank holds, the all-reduces of a step against the formula and
+# against data parallelism's, one step's timeline, the throughput of one process, tensor and data parallelism on
+# the same processes, and solution 13 on a 2-D mesh. Every figure is measured on the machine that ran the notebook
+# (the committed outputs: 2 CPU cores, one process per core, gloo); `common.launch.run_on_ranks` starts the
+# processes, and the functions it runs are in `common/tensor_parallel.py`.
+
+# %% tags=["parameters"]
+import os
+
+QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
+WORLD_SIZE = 2
+# A transformer layer of width D_MODEL with HEADS heads (the MLP 4 x wider); the quick run's is tiny.
+D_MODEL, HEADS = (64, 4) if QUICK else (256, 8)
+CHECK_BATCH, CHECK_SEQ = (4, 16) if QUICK else (8, 64)
+# (batch, sequence length) pairs: the tokens per step grow from 16 to 4096.
+SHAPES = [(1, 16), (4, 16), (8, 32)] if QUICK else [(1, 16), (2, 32), (4, 64), (8, 64), (16, 64), (16, 128), (32, 128)]
+# The timed runs: DEPTH layers, a batch of TIME_BATCH sequences of TIME_SEQ tokens, STEPS steps (the first left out).
+DEPTH, TIME_BATCH, TIME_SEQ, STEPS = (1, 4, 16, 3) if QUICK else (4, 16, 128, 10)
+SOLUTION_RUN = ["--epochs", "1", "--max-batches-per-epoch", "2"] if QUICK else []
+
+# %%
+import statistics
+
+import matplotlib.pyplot as plt
+
+from common.launch import launch, run_on_ranks
+from common.tensor_parallel import (
+    block_stack,
+    communication_per_step,
+    mlp_all_reduce_bytes,
+    plot_step_timeline,
+    sharded_against_full,
+    time_steps,
+)
+
+block = block_stack(D_MODEL, HEADS, 1)[0]
+parameters = sum(p.numel() for p in block.parameters())
+print(f"a TransformerBlock of d_model {D_MODEL}, {HEADS} heads, MLP hidden {4 * D_MODEL}: {parameters:,} parameters")
+print(f"split over {WORLD_SIZE} processes (gloo, one thread each)")
+
+# %% [markdown]
+# ## 1. The split, checked
+#
+# The whole layer, this rank's `shard_block` of it (by hand) and torch's `parallelize_block` (DTensor,
+# `ColwiseParallel` / `RowwiseParallel`) run one forward and backward on the same batch, in float32. The
+# differences are the largest over every element: the output, the gradient of the layer's input (which `f`'s
+# backward all-reduce makes whole), and every parameter gradient against this rank's slice of the whole layer's.
+
+# %%
+checked = run_on_ranks(sharded_against_full, WORLD_SIZE, D_MODEL, HEADS, CHECK_BATCH, CHECK_SEQ, timeout=300)
+for rank, result in enumerate(checked):
+    for version, differences in result["differences"].items():
+        cells = ", ".join(f"{what} {value:.1e}" for what, value in differences.items())
+        print(f"rank {rank}, {version:<7}: largest difference from the whole layer: {cells}")
+
+# %% [markdown]
+# Float32 rounding only: the sums run in another order (each rank adds its heads' and its hidden features'
+# share, then the all-reduce adds the shares). The tests check the same in float64 to `assert_close`'s default
+# tolerance, and after three SGD steps (`tests/test_tensor_parallel.py`).
+#
+# ## 2. What each rank holds
+#
+# Parameters: the attention's and the MLP's weights are cut in N; the norms, and each row-parallel linear's bias
+# (added once, after the all-reduce), stay whole. Activations saved for backward (`saved_activation_bytes`, as
+# lesson 11 counts them): those inside the blocks (the heads' scores, the MLP's hidden features) are cut in N;
+# the layer's input, the norms' outputs and the other `(batch, seq, d_model)` tensors stay whole on every rank.
+
+# %%
+rank0 = checked[0]
+for what in ("parameter_bytes", "saved_bytes"):
+    whole, by_hand = rank0[what]["whole"], rank0[what]["by hand"]
+    print(
+        f"{what.replace('_', ' '):<16}: whole layer {whole / 2**10:8.1f} KiB, rank 0's shard {by_hand / 2**10:8.1f} KiB"
+        f" = {by_hand / whole:.2f} of it (1/{WORLD_SIZE} = {1 / WORLD_SIZE:.2f})"
+    )
+print(f"torch's version holds {rank0['parameter_bytes']['torch'] / 2**10:.1f} KiB of parameters on rank 0")
+
+# %% [markdown]
+# Neither is exactly halved: the parameters almost (the whole pieces are small vectors), the activations far
+# less, because every rank keeps its own copy of each full-width activation. Megatron-LM's sequence parallelism
+# (Korthikanti et al. 2022) splits those along the sequence, outside the blocks; this lesson does not build it.
+#
+# ## 3. The all-reduces of a step, against the formula and against data parallelism
+#
+# For each batch shape: the all-reduces the tensor-parallel layer makes in forward and in backward
+# (`count_collectives`), against `mlp_all_reduce_bytes` (batch x seq x d_model x 4 bytes, per block and
+# direction), and what DDP all-reduces for the same layer (`AllReduceCounter`): its gradients, whatever the batch.
+
+# %%
+communication = run_on_ranks(communication_per_step, WORLD_SIZE, D_MODEL, HEADS, SHAPES, timeout=300)[0]
+rows, ddp_bytes = communication["rows"], communication["ddp"]["bytes"]
+print(f"DDP: {communication['ddp']['all-reduces']} all-reduce(s) of {ddp_bytes:,} bytes per step, whatever the batch")
+print(
+    f"{'batch':>5} {'seq':>4} {'tokens':>6} | {'forward':>16} {'backward':>16} {'formula':>9} | "
+    f"{'TP per step':>11} {'DDP per step':>12}"
+)
+for row in rows:
+    tp_total = sum(row["tp forward"]) + sum(row["tp backward"])
+    print(
+        f"{row['batch']:>5} {row['seq']:>4} {row['batch'] * row['seq']:>6} | "
+        f"{len(row['tp forward'])} x {row['tp forward'][0]:>10,} {len(row['tp backward'])} x "
+        f"{row['tp backward'][0]:>10,} {row['formula']:>9,} | {tp_total:>11,} {ddp_bytes:>12,}"
+    )
+
+tokens = [row["batch"] * row["seq"] for row in rows]
+fig, ax = plt.subplots(figsize=(6.5, 3.8))
+ax.plot(
+    tokens,
+    [(sum(r["tp forward"]) + sum(r["tp backward"])) / 2**20 for r in rows],
+    "o-",
+    label="tensor parallel: 4 all-reduces of the activations",
+)
+ax.plot(tokens, [4 * mlp_all_reduce_bytes(1, t, D_MODEL, 4) / 2**20 for t in tokens], "k--", label="4 x formula")
+ax.plot(tokens, [ddp_bytes / 2**20] * len(rows), "s-", label="data parallel (DDP): the gradients")
+ax.set(xscale="log", yscale="log", xlabel="tokens per step (batch x seq)", ylabel="MiB all-reduced per layer, step")
+ax.legend()
+plt.show()
+crossover = ddp_bytes / (4 * D_MODEL * 4)
+print(f"the two meet at {crossover:,.0f} tokens per step: the layer's parameter bytes / (4 all-reduces x d_model x 4)")
+
+# %% [markdown]
+# Tensor parallelism all-reduces activations: its bytes grow with the tokens, four tensors of
+# `batch x seq x d_model` per layer and step, however many ranks there are. Data parallelism all-reduces
+# gradients: the parameters' bytes, whatever the batch. For a layer of about `12 d_model^2` parameters the two
+# meet near `3 d_model` tokens per step; real trainings run far more tokens than that per device, so tensor
+# parallelism sends more bytes than data parallelism, and it sends them in the middle of the computation (next
+# section). It is worth it only where the model does not fit otherwise, and over fast links.
+#
+# ## 4. One step's timeline
+#
+# `time_steps` runs three models on the same two processes, a step of each in turn: the whole model on the whole
+# batch in each process (one process's speed, the reference), the tensor-parallel model (each rank its shards, the
+# whole batch), and DDP (the whole model, half the batch each). For tensor parallelism it notes when each
+# all-reduce was called and when it returned. One step, the one with the median time:
+
+# %%
+timed = run_on_ranks(time_steps, WORLD_SIZE, D_MODEL, HEADS, DEPTH, TIME_BATCH, TIME_SEQ, STEPS, timeout=600)
+
+
+def median_step(name: str) -> int:
+    """The step (not the first) whose time on rank 0 is the median one."""
+    seconds = timed[0][name]["seconds"][1:]
+    return 1 + seconds.index(statistics.median_low(seconds))
+
+
+step = median_step("tensor parallel")
+timelines = [rank_result["tensor parallel"]["timeline"][step] for rank_result in timed]
+fig, ax = plt.subplots(figsize=(10, 2.2))
+plot_step_timeline(timelines, ax, f"tensor parallel, {DEPTH} layer(s), {TIME_BATCH} x {TIME_SEQ} tokens: step {step}")
+fig.tight_layout()
+plt.show()
+for rank, timeline in enumerate(timelines):
+    waiting = sum(end - start for start, end in timeline["all_reduces"])
+    print(
+        f"rank {rank}: {len(timeline['all_reduces'])} all-reduces, {waiting * 1e3:.1f} ms of a "
+        f"{timeline['end'] * 1e3:.1f} ms step inside them ({waiting / timeline['end']:.0%})"
+    )
+
+# %% [markdown]
+# Each all-reduce sits between two matrix products that need its result: the rank can do nothing else while it
+# runs (red), and a rank that reaches it first waits there for the other. Data parallelism's all-reduces run
+# while backward goes on (lessons 08 and 09); tensor parallelism's are on the critical path. That is why large
+# trainings keep tensor parallelism within a node, on NVLink, and why later work cuts the products into chunks to
+# overlap one chunk's communication with the next one's computation (PyTorch's symmetric-memory operators
+# `fused_all_gather_matmul` and `fused_matmul_reduce_scatter`, for sequence-parallel layers on GPUs).
+#
+# ## 5. Throughput on the same two processes
+
+# %%
+reference = statistics.median(timed[0]["one process"]["seconds"][1:])
+print(
+    f"{DEPTH} layer(s) of d_model {D_MODEL}, a batch of {TIME_BATCH} x {TIME_SEQ} tokens, median of {STEPS - 1} steps"
+)
+for name in ("one process", "tensor parallel", "data parallel"):
+    seconds = statistics.median(timed[0][name]["seconds"][1:])
+    print(
+        f"{name:<16} {seconds * 1e3:7.1f} ms per step  {TIME_BATCH / seconds:7.1f} sequences/s  "
+        f"{reference / seconds:.2f} x one process"
+    )
+
+# %% [markdown]
+# Both split the work of a step in two. Data parallelism computes whole matrix products on half the batch and
+# all-reduces once per bucket, overlapped with backward; tensor parallelism computes half-width products on the
+# whole batch and all-reduces four times per layer, in the way. When the model fits on each device, data
+# parallelism is the faster way to use two; tensor parallelism buys memory (section 2), and pays for it in time
+# against data parallelism.
+#
+# ## 6. Solution 13, on one replica and on a 2-D mesh
+#
+# First 2 processes, one copy of the model split over both, batches of 64. Then 4 processes: 2 data-parallel
+# replicas x 2 tensor-parallel ranks (`--data-parallel 2`) with 32 samples per replica. Ranks 0 and 1 hold one
+# copy of the model, split; ranks 2 and 3 the other copy, split the same way. The `DistributedSampler` of 2
+# replicas deals each the alternate samples of the same shuffled order, so the two replicas' batches of 32 are,
+# together, the one run's batch of 64, and DDP over each pair {0, 2} and {1, 3} averages the gradients of the same
+# shard: the second run takes the first run's steps, up to float rounding.
+
+# %%
+runs = {
+    "1 replica x 2 ranks, batch 64": (2, ["--batch-size", "64"]),
+    "2 replicas x 2 ranks, batch 32 each": (4, ["--data-parallel", "2", "--batch-size", "32"]),
+}
+for name, (nproc, args) in runs.items():
+    printed = launch(
+        "solutions/13_tensor_parallel.py",
+        "--dataset",
+        "digits",
+        "--num-workers",
+        "0",
+        *args,
+        *SOLUTION_RUN,
+        nproc=nproc,
+        timeout=900,
+    ).stdout
+    print(f"{name}:\n{printed}")
