@@ -14,7 +14,6 @@
 # ---
 
 # %% [markdown]
-# %% [markdown]
 # # Lesson 11: pipeline parallelism
 #
 # The companion notebook of `lessons/11_pipeline_parallelism.md`. It runs the schedules of `common/pipeline.py`
