@@ -6,10 +6,13 @@
 - ``comparison_result``, ``describe_comparison``, ``write_comparison``: lesson 02's DataParallel against DDP
   (``solutions/08_dp_vs_ddp.py``), samples/s and peak memory per device, as a line, a table (``results.md``),
   figures (``results.json``) and a plot (``results.png``).
+- ``machine_summary``: the hardware and PyTorch a measurement ran on, in one line, for a notebook to print.
 
 Plots use ``matplotlib.figure.Figure`` directly, not ``pyplot``: nothing to display, no global figure state.
 """
 
+import os
+import platform
 from pathlib import Path
 
 import torch
@@ -140,3 +143,19 @@ def _plot_comparison(results: list[dict], path: Path, title: str, skipped: str |
     memory_axes.legend(loc="lower right")
     figure.suptitle(title)
     figure.savefig(path, dpi=100)
+
+
+def machine_summary() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo, else ``platform.processor()``), the cores this process may use,
+    the GPUs if any, and PyTorch's version: ``"Intel(R) Xeon(R) Processor, 2 CPU cores; PyTorch 2.14.1+cu130"``."""
+    cpu = platform.processor() or "an unnamed CPU"
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpus = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
+    devices = f"{cpu}, {cores} CPU cores" + (f", GPUs: {', '.join(gpus)}" if gpus else "")
+    return f"{devices}; PyTorch {torch.__version__}"

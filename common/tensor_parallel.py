@@ -316,11 +316,24 @@ def shard_block(block: TransformerBlock, rank: int, world_size: int, group=None)
 def parallelize_block(block: TransformerBlock, tp_mesh) -> TransformerBlock:
     """torch's version of ``shard_block`` on the 1-D ``tp_mesh``: q, k, v and ``up`` sharded by output features
     (``ColwiseParallel``: whole heads per rank for q, k, v), ``out`` and ``down`` by input features
-    (``RowwiseParallel``). With q, k and v three modules, backward all-reduces the attention's input gradient
-    three times, where ``TensorParallelSelfAttention`` stacks them behind one ``f`` and does it once."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    (``RowwiseParallel``).
 
-    plan = {f"attention.{name}": ColwiseParallel() for name in ("q", "k", "v")}
+    ``PrepareModuleInput`` on the attention turns its input into one replicated DTensor that q, k and v share, as
+    ``TensorParallelSelfAttention``'s one ``f`` before its stacked projection: their three partial gradients add up
+    on that DTensor and are all-reduced once. Without it each ``ColwiseParallel`` makes its own replicated input
+    from the plain tensor, and backward all-reduces the attention's input gradient three times."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    one_input = PrepareModuleInput(
+        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+    )
+    plan = {"attention": one_input} | {f"attention.{name}": ColwiseParallel() for name in ("q", "k", "v")}
     plan |= {"attention.out": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
     return parallelize_module(block, tp_mesh, plan)
 
@@ -338,7 +351,8 @@ def parallelize_feed_forward(mlp: FeedForward, mesh):
     """torch's version of ``TensorParallelMLP``: ``mlp``'s own parameters become ``DTensor`` shards on the
     1-D ``mesh`` (``init_device_mesh(device_type, (world_size,))``), ``up`` sharded by output features
     (``ColwiseParallel``) and ``down`` by input features (``RowwiseParallel``), with the collectives inserted for
-    the module's inputs and outputs. Modifies and returns ``mlp``; every rank must pass the same weights."""
+    the module's inputs and outputs. Modifies and returns ``mlp``; the weights are rank 0's, scattered
+    (``parallelize_module``'s ``src_data_rank=0``)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     return parallelize_module(mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -510,7 +524,34 @@ def time_steps(env, d_model: int, num_heads: int, depth: int, batch: int, seq: i
                 all_reduces = [(c.started - start, c.returned - start) for c in log.calls if c.name == "all_reduce"]
                 timeline = {"forward_end": forward_end - start, "end": end - start, "all_reduces": all_reduces}
                 results[name]["timeline"].append(timeline)
+    results["data parallel"]["buckets"] = ddp_bucket_starts(env, d_model, num_heads, depth, batch, seq)
     return results
+
+
+def ddp_bucket_starts(env, d_model: int, num_heads: int, depth: int, batch: int, seq: int) -> dict:
+    """When DDP starts each bucket's all-reduce in a backward of ``depth`` blocks, and its bytes: a fresh DDP model
+    with a communication hook that notes the moment and passes the bucket to the default all-reduce. Two steps; the
+    second's buckets (DDP rebuilds them after the first), in seconds from the start of ``backward()``, and how long
+    ``backward()`` took (it returns once every bucket's all-reduce has finished)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(block_stack(d_model, num_heads, depth))
+    starts = []
+
+    def noting_hook(state, bucket):
+        starts.append((time.perf_counter(), bucket.buffer().numel() * bucket.buffer().element_size()))
+        return allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, noting_hook)
+    for step in range(2):
+        starts.clear()
+        X, target = (tensor.chunk(env.world_size)[env.rank] for tensor in token_batch(batch, seq, d_model, step))
+        loss = F.mse_loss(model(X), target)
+        begin = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+    return {"backward": end - begin, "buckets": [(moment - begin, size) for moment, size in starts]}
 
 
 def plot_step_timeline(timelines: list[dict], ax, title: str = "") -> None:

@@ -45,6 +45,7 @@ import statistics
 import matplotlib.pyplot as plt
 
 from common.launch import launch, run_on_ranks
+from common.reports import machine_summary
 from common.tensor_parallel import (
     block_stack,
     communication_per_step,
@@ -57,7 +58,7 @@ from common.tensor_parallel import (
 block = block_stack(D_MODEL, HEADS, 1)[0]
 parameters = sum(p.numel() for p in block.parameters())
 print(f"a TransformerBlock of d_model {D_MODEL}, {HEADS} heads, MLP hidden {4 * D_MODEL}: {parameters:,} parameters")
-print(f"split over {WORLD_SIZE} processes (gloo, one thread each)")
+print(f"split over {WORLD_SIZE} processes (gloo, one thread each) on {machine_summary()}")
 
 # %% [markdown]
 # ## 1. The split, checked
@@ -178,12 +179,28 @@ for rank, timeline in enumerate(timelines):
     )
 
 # %% [markdown]
-# Each all-reduce sits between two matrix products that need its result: the rank can do nothing else while it
-# runs (red), and a rank that reaches it first waits there for the other. Data parallelism's all-reduces run
-# while backward goes on (lessons 08 and 09); tensor parallelism's are on the critical path. That is why large
-# trainings keep tensor parallelism within a node, on NVLink, and why later work cuts the products into chunks to
-# overlap one chunk's communication with the next one's computation (PyTorch's symmetric-memory operators
-# `fused_all_gather_matmul` and `fused_matmul_reduce_scatter`, for sequence-parallel layers on GPUs).
+# In this implementation each all-reduce sits between two computations that need its result: the rank does
+# nothing else while it runs (red), and a rank that reaches it first waits there for the other. (Megatron-LM
+# starts the backward all-reduce of the input's gradient asynchronously and computes the weight gradient
+# meanwhile, which needs no all-reduced value; kernels that cut the products into chunks overlap forward
+# communication too, such as PyTorch's symmetric-memory `fused_all_gather_matmul` and
+# `fused_matmul_reduce_scatter`, for sequence-parallel layers on GPUs.)
+#
+# DDP, for comparison: when does it start each bucket's all-reduce in a backward of the same model (half the batch
+# per rank), and how long is that backward, all-reduces included? A fresh DDP model with a communication hook that
+# notes each bucket (`ddp_bucket_starts`), the second step's, after DDP rebuilt its buckets:
+
+# %%
+buckets = timed[0]["data parallel"]["buckets"]
+for number, (start, size) in enumerate(buckets["buckets"]):
+    print(f"DDP bucket {number}: {size / 2**20:6.2f} MiB, all-reduce started {start * 1e3:6.1f} ms into backward")
+print(f"backward returned after {buckets['backward'] * 1e3:.1f} ms (every bucket all-reduced)")
+
+# %% [markdown]
+# DDP's first bucket (1 MiB by default) closes early in backward and its all-reduce runs while backward goes on;
+# the second holds the rest of the gradients and can start only when backward has produced all of them, at the end:
+# most of DDP's bytes here are not overlapped either. With more, smaller buckets (`bucket_cap_mb`, lesson 09) more
+# of them would be.
 #
 # ## 5. Throughput on the same two processes
 
@@ -200,11 +217,11 @@ for name in ("one process", "tensor parallel", "data parallel"):
     )
 
 # %% [markdown]
-# Both split the work of a step in two. Data parallelism computes whole matrix products on half the batch and
-# all-reduces once per bucket, overlapped with backward; tensor parallelism computes half-width products on the
-# whole batch and all-reduces four times per layer, in the way. When the model fits on each device, data
-# parallelism is the faster way to use two; tensor parallelism buys memory (section 2), and pays for it in time
-# against data parallelism.
+# Both halve the matrix products per process. Data parallelism computes whole-width products on half the batch
+# and all-reduces the gradients in two buckets; tensor parallelism computes half-width products on the whole batch,
+# repeats the norms and the residual additions on every rank, and makes four blocking all-reduces per layer, of
+# more bytes in all (section 3). When the model fits on each device, data parallelism is the faster way to use two;
+# tensor parallelism buys memory (section 2), and pays for it in time against data parallelism.
 #
 # ## 6. Solution 13, on one replica and on a 2-D mesh
 #

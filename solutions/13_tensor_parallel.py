@@ -30,10 +30,9 @@ evaluates test accuracy.
     torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py
 
 labs/13_tensor_parallel.py leaves Megatron's f and g (their forward and backward) and the column and row split of
-a linear's weight to you. ``--batch-size`` is every replica's batch, the same batch on each rank of it. With
-``--tp torch`` the backward pass makes four all-reduces, not two: the attention's q, k and v are three modules there,
-and each all-reduces its input's gradient, where the by-hand block stacks them into one column-parallel linear
-behind one f.
+a linear's weight to you. ``--batch-size`` is every replica's batch, the same batch on each rank of it. Both
+versions make two all-reduces forward and two backward per step (``--tp torch``: ``parallelize_block`` gives the
+attention's q, k and v one shared input, whose gradient is all-reduced once, as behind the by-hand block's one f).
 """
 
 import warnings

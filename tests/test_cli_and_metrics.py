@@ -1,5 +1,7 @@
 import argparse
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,3 +56,16 @@ def test_only_global_rank_0_writes_json(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "is_main", lambda: False)
     write_json(tmp_path / "metrics.json", {"a": 1})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_machine_summary_names_the_cpu_the_cores_and_pytorch():
+    from common.reports import machine_summary
+
+    summary = machine_summary()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert summary.endswith(f"; PyTorch {torch.__version__}") and f", {cores} CPU cores" in summary
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():  # Linux, as this machine and CI: the model name the kernel reports
+        lines = cpuinfo.read_text().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        assert summary.startswith(f"{name}, ")
