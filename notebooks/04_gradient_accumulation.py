@@ -29,6 +29,7 @@ NPROC = 2
 COMPARE_EPOCHS = 1 if QUICK else 3
 LR_EPOCHS = 1 if QUICK else 10
 LR_NPROC = 1 if QUICK else 2  # one process starts faster; the full run uses 2
+LR_BATCH = ["--batch-size", "64"] if QUICK else []  # the quick run: 4 times fewer steps than the default 16
 
 # %%
 import json
@@ -156,6 +157,7 @@ run = subprocess.run(
         str(LR_EPOCHS),
         "--nproc",
         str(LR_NPROC),
+        *LR_BATCH,
         "--results-file",
         str(results_file),
     ],

@@ -44,7 +44,7 @@ import statistics
 
 import matplotlib.pyplot as plt
 
-from common.launch import launch, run_on_ranks
+from common.launch import in_turn, launch, run_on_ranks
 from common.reports import machine_summary
 from common.tensor_parallel import (
     block_stack,
@@ -61,6 +61,19 @@ print(f"a TransformerBlock of d_model {D_MODEL}, {HEADS} heads, MLP hidden {4 * 
 print(f"split over {WORLD_SIZE} processes (gloo, one thread each) on {machine_summary()}")
 
 # %% [markdown]
+# Sections 1 to 5 show what three functions of `common/tensor_parallel.py` measure on every rank. They run here, one
+# after the other, in one group of processes (`in_turn`): starting a group costs seconds on this machine.
+
+# %%
+calls = [
+    (sharded_against_full, (D_MODEL, HEADS, CHECK_BATCH, CHECK_SEQ)),
+    (communication_per_step, (D_MODEL, HEADS, SHAPES)),
+    (time_steps, (D_MODEL, HEADS, DEPTH, TIME_BATCH, TIME_SEQ, STEPS)),
+]
+# run_on_ranks returns each rank's list of the three results; zip makes three tuples, each with one entry per rank.
+checked, communication, timed = zip(*run_on_ranks(in_turn, WORLD_SIZE, calls, timeout=900))
+
+# %% [markdown]
 # ## 1. The split, checked
 #
 # The whole layer, this rank's `shard_block` of it (by hand) and torch's `parallelize_block` (DTensor,
@@ -69,7 +82,6 @@ print(f"split over {WORLD_SIZE} processes (gloo, one thread each) on {machine_su
 # backward all-reduce makes whole), and every parameter gradient against this rank's slice of the whole layer's.
 
 # %%
-checked = run_on_ranks(sharded_against_full, WORLD_SIZE, D_MODEL, HEADS, CHECK_BATCH, CHECK_SEQ, timeout=300)
 for rank, result in enumerate(checked):
     for version, differences in result["differences"].items():
         cells = ", ".join(f"{what} {value:.1e}" for what, value in differences.items())
@@ -85,7 +97,7 @@ for rank, result in enumerate(checked):
 # Parameters: the attention's and the MLP's weights are cut in N; the norms, and each row-parallel linear's bias
 # (added once, after the all-reduce), stay whole. Activations saved for backward (`saved_activation_bytes`, as
 # lesson 11 counts them): those inside the blocks (the heads' scores, the MLP's hidden features) are cut in N;
-# the layer's input, the norms' outputs and the other `(batch, seq, d_model)` tensors stay whole on every rank.
+# the layer's input, the norms' outputs and the residual sum between the blocks stay whole on every rank.
 
 # %%
 rank0 = checked[0]
@@ -109,9 +121,9 @@ print(f"torch's version holds {rank0['parameter_bytes']['torch'] / 2**10:.1f} Ki
 # direction), and what DDP all-reduces for the same layer (`AllReduceCounter`): its gradients, whatever the batch.
 
 # %%
-communication = run_on_ranks(communication_per_step, WORLD_SIZE, D_MODEL, HEADS, SHAPES, timeout=300)[0]
-rows, ddp_bytes = communication["rows"], communication["ddp"]["bytes"]
-print(f"DDP: {communication['ddp']['all-reduces']} all-reduce(s) of {ddp_bytes:,} bytes per step, whatever the batch")
+rows, ddp = communication[0]["rows"], communication[0]["ddp"]  # rank 0's (rank 1 counts the same)
+ddp_bytes = ddp["bytes"]
+print(f"DDP: {ddp['all-reduces']} all-reduce(s) of {ddp_bytes:,} bytes per step, whatever the batch")
 print(
     f"{'batch':>5} {'seq':>4} {'tokens':>6} | {'forward':>16} {'backward':>16} {'formula':>9} | "
     f"{'TP per step':>11} {'DDP per step':>12}"
@@ -155,10 +167,8 @@ print(f"the two meet at {crossover:,.0f} tokens per step: the layer's parameter 
 # whole batch), and DDP (the whole model, half the batch each). For tensor parallelism it notes when each
 # all-reduce was called and when it returned. One step, the one with the median time:
 
+
 # %%
-timed = run_on_ranks(time_steps, WORLD_SIZE, D_MODEL, HEADS, DEPTH, TIME_BATCH, TIME_SEQ, STEPS, timeout=600)
-
-
 def median_step(name: str) -> int:
     """The step (not the first) whose time on rank 0 is the median one."""
     seconds = timed[0][name]["seconds"][1:]
@@ -219,9 +229,9 @@ for name in ("one process", "tensor parallel", "data parallel"):
 # %% [markdown]
 # Both halve the matrix products per process. Data parallelism computes whole-width products on half the batch
 # and all-reduces the gradients in two buckets; tensor parallelism computes half-width products on the whole batch,
-# repeats the norms and the residual additions on every rank, and makes four blocking all-reduces per layer, of
-# more bytes in all (section 3). When the model fits on each device, data parallelism is the faster way to use two;
-# tensor parallelism buys memory (section 2), and pays for it in time against data parallelism.
+# repeats the norms and the residual additions on every rank, and makes four all-reduces per layer, blocking as
+# built here, of more bytes in all (section 3). When the model fits on each device, data parallelism is the faster
+# way to use two; tensor parallelism buys memory (section 2), and pays for it in time against data parallelism.
 #
 # ## 6. Solution 13, on one replica and on a 2-D mesh
 #
@@ -230,12 +240,18 @@ for name in ("one process", "tensor parallel", "data parallel"):
 # copy of the model, split; ranks 2 and 3 the other copy, split the same way. The `DistributedSampler` of 2
 # replicas deals each the alternate samples of the same shuffled order, so the two replicas' batches of 32 are,
 # together, the one run's batch of 64, and DDP over each pair {0, 2} and {1, 3} averages the gradients of the same
-# shard: the second run takes the first run's steps, up to float rounding.
+# shard: the second run takes the first run's steps, up to float rounding. Then both again with torch's version
+# (`--tp torch`: DTensor's tensor parallelism, and FSDP2 over the replicas).
 
 # %%
 runs = {
     "1 replica x 2 ranks, batch 64": (2, ["--batch-size", "64"]),
     "2 replicas x 2 ranks, batch 32 each": (4, ["--data-parallel", "2", "--batch-size", "32"]),
+    "torch's version, 1 replica x 2 ranks, batch 64": (2, ["--batch-size", "64", "--tp", "torch"]),
+    "torch's version, 2 replicas x 2 ranks, batch 32 each": (
+        4,
+        ["--data-parallel", "2", "--batch-size", "32", "--tp", "torch"],
+    ),
 }
 for name, (nproc, args) in runs.items():
     printed = launch(

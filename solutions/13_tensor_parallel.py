@@ -10,8 +10,8 @@ of one tensor-parallel group train on the same batches: tensor parallelism split
 With ``--data-parallel R`` the processes form a 2-D mesh: R replicas of the model, each split over world_size / R
 processes, each replica on its own batches, the gradients averaged over the replicas (DDP over the data-parallel
 group by hand; FSDP2 over it with ``--tp torch``). The script prints the all-reduces of the first training step,
-checks at the end that the replicated parameters are the same on every rank and the shards on every replica, and
-evaluates test accuracy.
+checks at the end of every epoch that the replicated parameters are the same on every rank and the shards on every
+replica, and evaluates test accuracy.
 
     # CPU, 2 processes (gloo), digits: the blocks split by hand
     torchrun --standalone --nproc_per_node=2 solutions/13_tensor_parallel.py --dataset digits

@@ -63,6 +63,11 @@ SMALL_PRECISION = (
     "tests/test_benchmarks.py::test_the_mixed_precision_benchmark_prints_a_row_per_precision_and_"
     "bf16_saves_less_for_backward runs it on small settings (a drill of make test-slow)"
 )
+SAME_NOTEBOOK_12 = "notebooks/12_tensor_parallelism.ipynb runs the same launch under nbval (--num-workers 0, 2 batches)"
+SOLUTION_13_ON_2X2 = (
+    "tests/test_tensor_parallel.py::test_solution_13_on_a_2x2_mesh_keeps_the_shards_in_sync_and_its_two_versions_agree "
+    "checks what its training computes"
+)
 # Each reason hangs under its command, which the formatter would not keep.
 # fmt: off
 NOT_RUN = {
@@ -167,11 +172,13 @@ NOT_RUN = {
     "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_11_powersgd.py":
         "a starter fails its lab tests until the reader finishes it; "
         "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
+    "torchrun --standalone --nproc_per_node=2 solutions/13_tensor_parallel.py --dataset digits --tp torch":
+        f"{SAME_NOTEBOOK_12}; tests/test_tensor_parallel.py::test_torchs_whole_layer_equals_the_by_hand_one_with_two_"
+        "all_reduces_forward_and_two_backward checks its layer",
     "torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py --dataset digits --data-parallel 2 "
-    "--batch-size 32":
-        "notebooks/12_tensor_parallelism.ipynb runs the same launch under nbval (--num-workers 0, 2 batches); "
-        "tests/test_tensor_parallel.py::test_solution_13_on_a_2x2_mesh_keeps_the_shards_in_sync_and_its_two_"
-        "versions_agree checks what its training computes",
+    "--batch-size 32": f"{SAME_NOTEBOOK_12}; {SOLUTION_13_ON_2X2}",
+    "torchrun --standalone --nproc_per_node=4 solutions/13_tensor_parallel.py --dataset digits --data-parallel 2 "
+    "--batch-size 32 --tp torch": f"{SAME_NOTEBOOK_12}; {SOLUTION_13_ON_2X2}",
     ".venv/bin/python -m pytest tests/test_tensor_parallel.py tests/labs/test_13_tensor_parallel.py":
         "test files of this suite, which the suite runs itself",
     "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_13_tensor_parallel.py":
