@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.launch import REPO, TORCHRUN, run_for_json, run_on_ranks, torchrun_command
+from common.launch import REPO, TORCHRUN, in_turn, run_for_json, run_on_ranks, torchrun_command
 
 
 def test_the_torchrun_command_is_the_readmes_single_machine_line():
@@ -76,3 +76,16 @@ def test_the_harness_turns_a_hang_into_an_error_by_its_deadline():
 def test_the_harness_reports_a_failing_rank_at_once():
     with pytest.raises(RuntimeError, match="rank 1 broke"):
         run_on_ranks(fail_on_rank_1, 2, timeout=60)
+
+
+def rank_plus(env, offset):
+    return env.rank + offset
+
+
+def world_size_of(env):
+    return env.world_size
+
+
+def test_in_turn_runs_each_function_in_one_group_and_returns_their_results_in_order():
+    results = run_on_ranks(in_turn, 2, [(rank_plus, (10,)), (world_size_of, ()), (rank_plus, (20,))], timeout=60)
+    assert results == [[10, 2, 20], [11, 2, 21]]
