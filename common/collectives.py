@@ -12,7 +12,7 @@ every rank. They are for learning and measuring, not for training: NCCL and gloo
   group (``common.launch.run_on_ranks``), as lesson 01's notebook shows it.
 - ``all_reduce_gradients``: average a model's gradients with one collective over one flat bucket, instead of
   one collective per parameter.
-- ``AllReduceCounter``: a DDP communication hook that counts the allreduces DDP makes, and their bytes.
+- ``AllReduceCounter``: a DDP communication hook that counts the allreduces DDP makes, their bytes and starts.
 - ``count_messages``: counts the point-to-point messages (and bytes) one rank sends and receives in a block.
 - ``all_gather_into``, ``reduce_scatter_into``: the two collectives of sharding, under any PyTorch's name.
 - ``count_collectives``: records the collectives one rank starts in a block: which, how many bytes, when.
@@ -121,11 +121,12 @@ def all_reduce_gradients(model: nn.Module, all_reduce=dist.all_reduce) -> None:
 
 @dataclass
 class AllReduceCounter:
-    """How many allreduces DDP started, and how many bytes they carried, since ``attach`` or ``reset``.
+    """How many allreduces DDP started, and how many bytes they carried, since ``attach`` or ``reset``; and each
+    bucket's start, ``(time.perf_counter(), bytes)``.
 
         counter = AllReduceCounter.attach(ddp_model)   # before the first forward
         ...train...
-        counter.calls, counter.bytes
+        counter.calls, counter.bytes, counter.starts
 
     It registers a communication hook that counts each gradient bucket, then all-reduces it exactly as DDP's
     default does (sum, divide by the world size), so training is unchanged.
@@ -134,6 +135,7 @@ class AllReduceCounter:
     calls: int = 0
     bytes: int = 0
     process_group: object = None  # DDP's: the data-parallel ranks (None: the whole world)
+    starts: list = field(default_factory=list)
 
     @classmethod
     def attach(cls, ddp_model) -> "AllReduceCounter":
@@ -142,12 +144,14 @@ class AllReduceCounter:
         return counter
 
     def reset(self) -> None:
-        self.calls, self.bytes = 0, 0
+        self.calls, self.bytes, self.starts = 0, 0, []
 
 
 def _counting_all_reduce_hook(counter: AllReduceCounter, bucket: dist.GradBucket):
+    size = bucket.buffer().numel() * bucket.buffer().element_size()
     counter.calls += 1
-    counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+    counter.bytes += size
+    counter.starts.append((time.perf_counter(), size))
     return allreduce_hook(counter.process_group, bucket)  # over DDP's group, divided by its size
 
 

@@ -530,28 +530,23 @@ def time_steps(env, d_model: int, num_heads: int, depth: int, batch: int, seq: i
 
 def ddp_bucket_starts(env, d_model: int, num_heads: int, depth: int, batch: int, seq: int) -> dict:
     """When DDP starts each bucket's all-reduce in a backward of ``depth`` blocks, and its bytes: a fresh DDP model
-    with a communication hook that notes the moment and passes the bucket to the default all-reduce. Two steps; the
+    with ``AllReduceCounter``'s hook, which notes each bucket and passes it to the default all-reduce. Two steps; the
     second's buckets (DDP rebuilds them after the first), in seconds from the start of ``backward()``, and how long
     ``backward()`` took (it returns once every bucket's all-reduce has finished)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
+    from common.collectives import AllReduceCounter
+
     model = DistributedDataParallel(block_stack(d_model, num_heads, depth))
-    starts = []
-
-    def noting_hook(state, bucket):
-        starts.append((time.perf_counter(), bucket.buffer().numel() * bucket.buffer().element_size()))
-        return allreduce_hook(None, bucket)
-
-    model.register_comm_hook(None, noting_hook)
+    counter = AllReduceCounter.attach(model)
     for step in range(2):
-        starts.clear()
+        counter.reset()
         X, target = (tensor.chunk(env.world_size)[env.rank] for tensor in token_batch(batch, seq, d_model, step))
         loss = F.mse_loss(model(X), target)
         begin = time.perf_counter()
         loss.backward()
         end = time.perf_counter()
-    return {"backward": end - begin, "buckets": [(moment - begin, size) for moment, size in starts]}
+    return {"backward": end - begin, "buckets": [(moment - begin, size) for moment, size in counter.starts]}
 
 
 def plot_step_timeline(timelines: list[dict], ax, title: str = "") -> None:

@@ -222,8 +222,8 @@ def two_d_checks(env):
     }
     return {
         "shard": shard,
-        "tp_ranks": dist_ranks(mesh["tp"].get_group()),
-        "dp_ranks": dist_ranks(mesh["dp"].get_group()),
+        "tp_ranks": dist.get_process_group_ranks(mesh["tp"].get_group()),
+        "dp_ranks": dist.get_process_group_ranks(mesh["dp"].get_group()),
         "by_hand": {name: p.detach().clone() for name, p in block.named_parameters()},
         "parameter_bytes": sum(p.numel() * p.element_size() for p in block.parameters()),
         "calls": calls,
@@ -231,10 +231,6 @@ def two_d_checks(env):
         "torch": {name: p.full_tensor().clone() for name, p in theirs.items()},
         "script_runs": script_runs,
     }
-
-
-def dist_ranks(group) -> list[int]:
-    return dist.get_process_group_ranks(group)
 
 
 def every_check(env):
