@@ -459,7 +459,7 @@ def parse_args(argv=None):
         default=REPO / "results",
         help="the results go into a folder named after the GPU inside this one",
     )
-    parser.add_argument("--budget", type=float, default=540, help="seconds for the whole check")
+    parser.add_argument("--budget", type=float, default=570, help="seconds for the whole check")
     parser.add_argument("--wheels", type=Path, default=REPO / ".whl", help="wheels to install first, if any")
     parser.add_argument("--dry-run", action="store_true", help="list the steps and run nothing")
     parser.add_argument("--gpus", type=int, help="with --dry-run: plan for this many GPUs (default: those visible)")
