@@ -71,6 +71,7 @@ def measure(name: str, seed: int, args) -> dict:
         json_option="--metrics-file",
         nproc=args.nproc,
         timeout=RUN_TIMEOUT_S,
+        link=args.link,
     )
     if "bytes_sent_per_step" not in metrics:
         raise RuntimeError(f"{name}, seed {seed}: the run ended before step 10, whose bytes are counted")
@@ -180,7 +181,8 @@ def plot(runs_by_config: dict[str, list[dict]], path: Path, args) -> None:
 def main(args):
     print(
         f"{SCRIPT}: {DATASET}, {MODEL}, {args.nproc} processes, {args.epochs} epoch(s), batch {args.batch_size} per "
-        f"process, lr {args.lr}, PowerSGD from step 10; seeds {' '.join(map(str, args.seeds))}",
+        f"process, lr {args.lr}, PowerSGD from step 10; seeds {' '.join(map(str, args.seeds))}; "
+        + ("loopback" if args.link is None else f"two emulated nodes joined at {args.link}"),
         flush=True,
     )
     runs_by_config = {}
@@ -234,6 +236,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=positive_int, default=2)
     parser.add_argument("--batch-size", type=positive_int, default=64, help="per process")
     parser.add_argument("--lr", type=positive_float, default=0.05)
+    parser.add_argument(
+        "--link",
+        help="run on two emulated nodes joined at this rate, e.g. 1gbit (scripts/cluster.py; needs root)",
+    )
     parser.add_argument("--json", type=Path, help="write every run's figures (per seed, per epoch) here")
     parser.add_argument("--plot", type=Path, help="plot test accuracy against the epoch to this PNG")
     return parser.parse_args(argv)

@@ -40,18 +40,45 @@ def torchrun_command(script, *args, nproc: int = 2) -> list[str]:
     return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(script), *map(str, args)]
 
 
+def cluster_command(script, *args, nproc: int = 2, link: str = "1gbit", nodes: int = 2) -> list[str]:
+    """``scripts/cluster.py``'s line that runs ``script`` on ``nodes`` emulated nodes of ``nproc // nodes``
+    processes, joined by links of ``link`` (lessons 07-12's slow network; it needs root)."""
+    if nproc % nodes:
+        raise ValueError(f"{nproc} processes do not split evenly over {nodes} nodes")
+    return [
+        sys.executable,
+        str(REPO / "scripts" / "cluster.py"),
+        *("--nodes", str(nodes), "--procs-per-node", str(nproc // nodes), "--link", link),
+        "--",
+        str(script),
+        *map(str, args),
+    ]
+
+
 def launch(
-    script, *args, nproc: int = 2, env_extra=None, timeout: float | None = None, check: bool = True
+    script,
+    *args,
+    nproc: int = 2,
+    env_extra=None,
+    timeout: float | None = None,
+    check: bool = True,
+    link: str | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``torchrun_command(script, *args, nproc=nproc)`` in the repository's folder; return the finished
     process, its standard output and error captured as text.
 
     ``env_extra`` is added to this process's environment. ``check``: a non-zero exit raises ``RuntimeError``
     with the end of the standard error, where the ranks' tracebacks are. ``timeout``: seconds before
-    ``subprocess.TimeoutExpired`` (none by default).
+    ``subprocess.TimeoutExpired`` (none by default). ``link``: run on two emulated nodes joined at this rate
+    instead (``cluster_command``), half the processes on each.
     """
+    command = (
+        torchrun_command(script, *args, nproc=nproc)
+        if link is None
+        else cluster_command(script, *args, nproc=nproc, link=link)
+    )
     run = subprocess.run(
-        torchrun_command(script, *args, nproc=nproc),
+        command,
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -64,13 +91,21 @@ def launch(
 
 
 def run_for_json(
-    script, *script_args, json_option: str, nproc: int = 2, env_extra=None, timeout: float | None = None
+    script,
+    *script_args,
+    json_option: str,
+    nproc: int = 2,
+    env_extra=None,
+    timeout: float | None = None,
+    link: str | None = None,
 ) -> dict:
     """``launch`` ``script`` with ``script_args`` and ``json_option FILE``, a temporary file; return the JSON the
     script wrote there. Its output is kept back unless it fails (``launch`` raises with its standard error)."""
     with tempfile.TemporaryDirectory(prefix="run_for_json-") as tmp:
         result_file = Path(tmp) / "result.json"
-        launch(script, *script_args, json_option, result_file, nproc=nproc, env_extra=env_extra, timeout=timeout)
+        launch(
+            script, *script_args, json_option, result_file, nproc=nproc, env_extra=env_extra, timeout=timeout, link=link
+        )
         return json.loads(result_file.read_text())
 
 

@@ -35,6 +35,7 @@ versions make two all-reduces forward and two backward per step (``--tp torch``:
 attention's q, k and v one shared input, whose gradient is all-reduced once, as behind the by-hand block's one f).
 """
 
+import time
 import warnings
 
 import torch
@@ -174,6 +175,7 @@ def train(args, env):
     for epoch in range(args.epochs):
         train_iter.sampler.set_epoch(epoch)
         loss_sum, batches, first_step = 0.0, 0, None
+        started = time.perf_counter()
         for X, y in progress_bar(train_iter, f"epoch {epoch + 1}/{args.epochs}"):
             X, y = X.to(env.device), y.to(env.device)
             optimizer.zero_grad(set_to_none=True)
@@ -184,9 +186,12 @@ def train(args, env):
                 loss.backward()
             optimizer.step()
             loss_sum, batches = loss_sum + loss.item(), batches + 1
+        # every replica trains its own batches at once: the samples of one replica's epoch times the replicas
+        samples_per_second = batches * args.batch_size * replicas / (time.perf_counter() - started)
         # The mean over the replicas, which trained on different batches: the loss of every sample of the epoch.
         train_loss = torch.tensor(loss_sum / max(batches, 1), device=env.device)
         dist.all_reduce(train_loss, group=mesh["dp"].get_group())
+        first_step["samples/s"] = samples_per_second
         history.append(report(epoch, args, env, mesh, net, test_iter, train_loss.item() / replicas, first_step))
     return history
 
@@ -234,6 +239,7 @@ def report(epoch, args, env, mesh, net, test_iter, train_loss, first_step):
         counted = f"{forward} forward all-reduce(s), {backward} backward (CommDebugMode counts calls, not bytes)"
     print0(
         f"epoch {epoch + 1}/{args.epochs}: train loss {train_loss:.4f} | test accuracy {test['accuracy']:.2%} | "
+        f"{first_step['samples/s']:,.0f} samples/s | "
         f"first step: {counted}; the formula: {first_step['formula bytes']} bytes each | "
         f"replicated parameters the same on every rank: {in_sync}, shards on every replica: {shards_in_sync}"
     )

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from common.launch import REPO, TORCHRUN, load_script, torchrun_command  # noqa: F401  (tests import them from here)
 
 PYTHON = sys.executable
@@ -56,3 +58,24 @@ def lab_path(name: str) -> Path:
     if target not in ("solutions", "labs"):
         raise ValueError(f"LAB_TARGET must be 'solutions' or 'labs', not {target!r}")
     return REPO / target / f"{name}.py"
+
+
+def cluster_unavailable() -> str | None:
+    """Why the emulated cluster cannot run here (not root, no network namespaces), or None if it can."""
+    if os.geteuid() != 0:
+        return "not root: creating network namespaces needs root (run the tests with sudo to include them)"
+    probe = subprocess.run(["ip", "netns", "add", "mgcprobe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"this machine refuses network namespaces: `ip netns add` said {probe.stderr.strip()!r}"
+    subprocess.run(["ip", "netns", "delete", "mgcprobe"], capture_output=True)
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the tests marked ``cluster`` with one reason where the emulated cluster cannot run."""
+    marked = [item for item in items if item.get_closest_marker("cluster")]
+    reason = cluster_unavailable() if marked else None
+    if reason:
+        skip = pytest.mark.skip(reason=f"emulated cluster tests skipped: {reason}")
+        for item in marked:
+            item.add_marker(skip)

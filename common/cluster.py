@@ -1,0 +1,182 @@
+"""A cluster on one machine: "nodes" joined by a real, rate-limited network, for lessons 07-12.
+
+Each node is a Linux network namespace with one Ethernet link (a veth pair) to a bridge, the "switch", in a
+namespace of its own. A token-bucket filter (``tc qdisc ... tbf``) on both ends of every link caps it at the
+chosen rate in each direction, as a node's network card would. Processes inside one node still talk over that
+node's loopback, at memory speed, as GPUs inside a server talk over NVLink; processes on different nodes talk at
+the link's rate. Nothing else changes: the training scripts and ``torchrun`` run as on a real cluster, with
+``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` naming the node's link.
+
+    with EmulatedCluster(nodes=2, rate="1gbit") as cluster:
+        subprocess.run(cluster.on_node(0, ["python", "-c", "print('hello from node 0')"]))
+
+The namespaces have no link into the machine's own namespace and no route out: their addresses (198.18.0.0/24,
+the block RFC 2544 sets aside for benchmarking networks) exist only inside them. Every name starts with the
+cluster's ``name``, so a cluster that an earlier run left behind (a killed process cannot clean up) is found and
+removed by name before a new one is made.
+
+Why pyroute2: it speaks netlink, the kernel's own interface for links, addresses and queueing disciplines, from
+Python, so the set-up is a dozen readable calls with errors raised as exceptions, rather than a shell script of
+``ip``/``tc`` lines whose failures must be parsed. Mininet builds the same kind of network, but for OpenFlow
+switches, with more machinery (and a controller) than two links need. The launchers run under ``ip netns exec``
+(iproute2), which enters a namespace by name without running our code between ``fork`` and ``exec``.
+
+It needs root (creating namespaces and links is privileged). ``scripts/cluster.py`` is the command readers run.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+SUBNET = "198.18.0"  # RFC 2544's benchmarking block: an address here means "this test network", nothing else
+PREFIX_LENGTH = 24
+LINK = "eth0"  # each node's one link, as on a real machine; GLOO_SOCKET_IFNAME names it
+MAX_NODES = 64
+UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+class ClusterError(RuntimeError):
+    """The emulator cannot do what was asked; the message says what to do instead (one line)."""
+
+
+def parse_rate(rate: str) -> int:
+    """``"100mbit"`` -> 100_000_000 bits per second. Written as ``tc`` writes rates: a number and kbit, mbit or
+    gbit (decimal units: 1gbit is 10^9 bits/s, as network cards are rated)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(kbit|mbit|gbit)", rate.strip().lower())
+    if not match or float(match.group(1)) <= 0:
+        raise ClusterError(f"unknown link rate {rate!r}: write it as tc does, e.g. 100mbit, 1gbit or 2.5gbit")
+    bits = round(float(match.group(1)) * UNITS[match.group(2)])
+    if not 10**5 <= bits <= 10**11:
+        raise ClusterError(f"link rate {rate!r} is outside 100kbit..100gbit, the range this emulator is checked for")
+    return bits
+
+
+def address(node: int) -> str:
+    """Node ``node``'s address on the cluster's network: node 0 is 198.18.0.1."""
+    return f"{SUBNET}.{node + 1}"
+
+
+def token_bucket(rate_bits: int) -> dict:
+    """The ``tbf`` settings for a link of ``rate_bits``: bursts of at most 2 ms of traffic (64 KiB at least, a
+    whole TCP segment), and a queue of 50 ms before packets are dropped, as a switch port buffers."""
+    return {"rate": f"{rate_bits}bit", "burst": max(64 * 1024, rate_bits // 8 // 500), "latency": "50ms"}
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise ClusterError(
+            "the emulated cluster needs root to create network namespaces: run the same command with sudo in "
+            "front, or run the script without the emulator, on loopback"
+        )
+    if shutil.which("ip") is None:
+        raise ClusterError("the emulated cluster needs iproute2's `ip` command (apt-get install iproute2)")
+
+
+class EmulatedCluster:
+    """``nodes`` network namespaces (``<name>-node0``, ...) on a bridge in ``<name>-switch``, each link capped at
+    ``rate`` in both directions. A context manager: the namespaces exist inside the ``with`` block only."""
+
+    def __init__(self, nodes: int, rate: str = "1gbit", name: str = "mgc"):
+        if not 1 <= nodes <= MAX_NODES:
+            raise ClusterError(f"--nodes must be 1 to {MAX_NODES}, not {nodes}")
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", name):
+            raise ClusterError(f"cluster name {name!r}: 1-8 lower-case letters and digits, starting with a letter")
+        self.nodes, self.rate, self.name = nodes, rate, name
+        self.rate_bits = parse_rate(rate)
+        self.switch = f"{name}-switch"
+        self.namespaces = [f"{name}-node{node}" for node in range(nodes)]
+
+    def __enter__(self) -> "EmulatedCluster":
+        require_root()
+        removed = remove_stale(self.name)
+        if removed:
+            print(f"cluster: removed {len(removed)} namespace(s) an earlier run left behind: {', '.join(removed)}")
+        try:
+            self._build()
+        except BaseException as error:
+            self.close()
+            if isinstance(error, (KeyboardInterrupt, ClusterError)):
+                raise
+            raise ClusterError(
+                f"could not build the emulated network ({type(error).__name__}: {error}); this machine may not "
+                "allow network namespaces or the tbf qdisc: run the script without the emulator, on loopback"
+            ) from error
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        from pyroute2 import NetNS, netns  # imported here: `--help` and the refusals need no netlink
+
+        for namespace in (self.switch, *self.namespaces):
+            netns.create(namespace)
+        bucket = token_bucket(self.rate_bits)
+        with NetNS(self.switch) as switch:
+            switch.link("add", ifname="switch", kind="bridge")
+            bridge = switch.link_lookup(ifname="switch")[0]
+            switch.link("set", index=bridge, state="up")
+            for node, namespace in enumerate(self.namespaces):
+                # one cable: "port<k>" stays in the switch, its other end becomes eth0 inside node k
+                switch.link("add", ifname=f"port{node}", kind="veth", peer={"ifname": LINK, "net_ns_fd": namespace})
+                port = switch.link_lookup(ifname=f"port{node}")[0]
+                switch.link("set", index=port, master=bridge, state="up")
+                switch.tc("add", "tbf", index=port, **bucket)  # switch -> node
+        for node, namespace in enumerate(self.namespaces):
+            with NetNS(namespace) as host:
+                link = host.link_lookup(ifname=LINK)[0]
+                host.addr("add", index=link, address=address(node), prefixlen=PREFIX_LENGTH)
+                host.link("set", index=link, state="up")
+                host.link("set", index=host.link_lookup(ifname="lo")[0], state="up")
+                host.tc("add", "tbf", index=link, **bucket)  # node -> switch
+
+    def on_node(self, node: int, command: list[str]) -> list[str]:
+        """``command`` run inside node ``node``'s namespace, with the communication libraries on its link."""
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.namespaces[node],
+            "env",
+            f"GLOO_SOCKET_IFNAME={LINK}",
+            f"NCCL_SOCKET_IFNAME={LINK}",
+            *map(str, command),
+        ]
+
+    def close(self) -> None:
+        """Remove the namespaces (their links and queues go with them), ending any process left inside."""
+        for namespace in (*self.namespaces, self.switch):
+            delete_namespace(namespace)
+
+
+def course_namespaces(name: str) -> list[str]:
+    """The namespaces of cluster ``name`` that exist now (``<name>-switch``, ``<name>-node<k>``)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    found = [line.split()[0] for line in listed if line.strip()]
+    return sorted(ns for ns in found if re.fullmatch(rf"{re.escape(name)}-(switch|node\d+)", ns))
+
+
+def remove_stale(name: str) -> list[str]:
+    """Remove the namespaces of a cluster ``name`` that an earlier, killed run left behind; return their names."""
+    stale = course_namespaces(name)
+    for namespace in stale:
+        delete_namespace(namespace)
+    return stale
+
+
+def delete_namespace(namespace: str) -> None:
+    """Kill what still runs in ``namespace`` (only our launchers' leftovers can), then delete it; quiet if gone."""
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    for _ in range(50):  # a killed process leaves its namespace once the kernel has reaped it
+        result = subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, text=True)
+        if result.returncode == 0 or "No such file" in result.stderr:
+            return
+        time.sleep(0.1)

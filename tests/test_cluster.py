@@ -1,0 +1,275 @@
+"""The emulated cluster (``common/cluster.py``, ``scripts/cluster.py``): nodes as network namespaces joined by
+rate-limited links.
+
+The first tests need nothing special: rates, refusals and messages. The tests marked ``cluster`` build real
+namespaces, so they need root and a kernel that allows them; ``tests/conftest.py`` skips them, with one reason,
+where that is not so (CI runs as root and runs them).
+"""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from common.cluster import ClusterError, EmulatedCluster, address, course_namespaces, parse_rate
+from common.launch import load_script
+from tests.conftest import PYTHON, REPO, run_command, torchrun
+
+CLUSTER = REPO / "scripts" / "cluster.py"
+cluster_script = load_script(CLUSTER)
+
+# Rate check: one node sends for about two seconds to the other, through both links' token buckets.
+SENDER = """
+import socket, sys, time
+total = int(sys.argv[2])
+with socket.create_connection((sys.argv[1], 5201), timeout=30) as s:
+    chunk = bytes(1 << 20)
+    started, sent = time.perf_counter(), 0
+    while sent < total:
+        s.sendall(chunk)
+        sent += len(chunk)
+    s.shutdown(socket.SHUT_WR)
+    s.recv(1)  # the receiver answers once it has read the last byte: the clock stops there
+    print(sent * 8 / (time.perf_counter() - started))
+"""
+RECEIVER = """
+import socket
+with socket.create_server(("0.0.0.0", 5201)) as server:
+    print("listening", flush=True)
+    connection, _ = server.accept()
+    with connection:
+        while connection.recv(1 << 20):
+            pass
+        connection.sendall(b"x")
+"""
+FAILS_ON_RANK_1 = """
+import os, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 1:
+    raise RuntimeError("rank 1 fails on purpose")
+time.sleep(60)
+"""
+SLEEPS = """
+import time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("all ranks joined", flush=True)
+time.sleep(120)
+"""
+
+
+def measured_rate(cluster: EmulatedCluster, seconds: float = 2.0) -> float:
+    """Bits per second a TCP stream from node 0 to node 1 reaches, sending ``seconds`` worth at the set rate."""
+    receiver = subprocess.Popen(
+        cluster.on_node(1, [PYTHON, "-c", RECEIVER]), stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert receiver.stdout.readline().strip() == "listening"
+        total = int(cluster.rate_bits / 8 * seconds)
+        sender = subprocess.run(
+            cluster.on_node(0, [PYTHON, "-c", SENDER, address(1), str(total)]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert sender.returncode == 0, sender.stderr
+        return float(sender.stdout)
+    finally:
+        receiver.kill()
+        receiver.wait()
+
+
+def no_trace_left(name: str) -> None:
+    """Nothing of cluster ``name`` remains: no namespace, and so none of its links or queues; no bridge or port of
+    it in the machine's own namespace either (the emulator never makes one there)."""
+    assert course_namespaces(name) == []
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert " port0" not in links and " switch:" not in links
+
+
+def cluster_line(name: str, *options_and_script) -> list:
+    """``scripts/cluster.py``'s line for two nodes named ``name``: ``options_and_script`` are options, then the
+    script's path and its text (written there first)."""
+    *options, script, text = options_and_script
+    script.write_text(text)
+    return [PYTHON, CLUSTER, "--nodes", "2", "--name", name, *options, "--", script]
+
+
+# -- no root needed -----------------------------------------------------------------------------------------------
+
+
+def test_rates_are_read_as_tc_writes_them_and_anything_else_is_refused():
+    assert parse_rate("100mbit") == 100_000_000
+    assert parse_rate("1gbit") == 1_000_000_000
+    assert parse_rate("2.5Gbit") == 2_500_000_000
+    for bad in ("1gb", "fast", "0mbit", "-1gbit", "1 tbit", "50kbit"):
+        with pytest.raises(ClusterError, match="rate"):
+            parse_rate(bad)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--link", "1gb"], "unknown link rate '1gb'"),
+        (["--nodes", "0"], "--nodes and --procs-per-node must be at least 1"),
+        (["--procs-per-node", "0"], "--nodes and --procs-per-node must be at least 1"),
+        ([], "give the training script after --"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line_at_once(arguments, message):
+    script = [] if not arguments else ["--", "solutions/01_ddp_basic.py"]
+    run = run_command([PYTHON, CLUSTER, *arguments, *script], timeout=10)
+    assert run.returncode == 2
+    assert message in run.stderr.splitlines()[-1]
+
+
+def test_without_root_it_says_to_use_sudo_or_loopback_and_builds_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    args, script = cluster_script.parse_args(["--nodes", "2", "--", "solutions/01_ddp_basic.py", "--dataset", "digits"])
+    assert cluster_script.main(args, script) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    loopback = "torchrun --standalone --nproc_per_node=2 solutions/01_ddp_basic.py --dataset digits"
+    assert "sudo" in error and loopback in error
+
+
+def test_a_machine_without_network_namespaces_gets_one_line_and_nothing_left(monkeypatch, capsys):
+    import pyroute2.netns
+
+    def refuse(name, *args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(pyroute2.netns, "create", refuse)
+    args, script = cluster_script.parse_args(["--name", "mgcnone", "--", "solutions/01_ddp_basic.py"])
+    assert cluster_script.main(args, script) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "network namespaces" in error and "loopback" in error
+    assert course_namespaces("mgcnone") == []
+
+
+# -- real namespaces: root ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rate", ["100mbit", "1gbit"])
+def test_the_link_carries_its_configured_rate_within_15_percent(rate):
+    with EmulatedCluster(nodes=2, rate=rate, name="mgcrate") as cluster:
+        bits = measured_rate(cluster)
+    assert 0.85 * parse_rate(rate) <= bits <= 1.15 * parse_rate(rate), f"{bits / 1e6:.0f} Mbit/s on a {rate} link"
+    no_trace_left("mgcrate")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_node_addresses_reach_each_other_and_nothing_else():
+    with EmulatedCluster(nodes=2, rate="1gbit", name="mgcroute") as cluster:
+        routes = subprocess.run(cluster.on_node(0, ["ip", "-4", "route"]), capture_output=True, text=True).stdout
+        assert routes.split() and "default" not in routes  # no way out of the machine
+        assert routes.startswith("198.18.0.0/24 dev eth0")
+        probe = [PYTHON, "-c", "import socket; socket.create_connection((__import__('sys').argv[1], 9), timeout=2)"]
+        outside = subprocess.run(cluster.on_node(0, [*probe, "192.0.2.1"]), capture_output=True, text=True)
+        assert "Network is unreachable" in outside.stderr
+        peer = subprocess.run(cluster.on_node(0, [*probe, address(1)]), capture_output=True, text=True)
+        assert "Connection refused" in peer.stderr  # node 1 answered: no listener there, but a route
+    no_trace_left("mgcroute")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(400)
+def test_two_nodes_train_the_same_parameters_bit_for_bit_as_two_processes_on_loopback(tmp_path):
+    arguments = ["--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "4", "--num-workers", "0"]
+    loopback = torchrun("solutions/01_ddp_basic.py", *arguments, "--checkpoint-dir", tmp_path / "loopback")
+    assert loopback.returncode == 0, loopback.stderr[-2000:]
+    on_cluster = run_command(
+        [PYTHON, CLUSTER, "--nodes", "2", "--procs-per-node", "1", "--link", "1gbit", "--name", "mgcsame", "--"]
+        + ["solutions/01_ddp_basic.py", *arguments, "--checkpoint-dir", tmp_path / "cluster"],
+        timeout=300,
+    )
+    assert on_cluster.returncode == 0, on_cluster.output[-2000:]
+    assert "2 process(es), backend gloo" in on_cluster.stdout  # one world across both nodes
+    assert "cluster: exit codes [0, 0]" in on_cluster.stdout
+    expected = torch.load(tmp_path / "loopback" / "checkpoint.pt", weights_only=True)["model"]
+    found = torch.load(tmp_path / "cluster" / "checkpoint.pt", weights_only=True)["model"]
+    assert expected.keys() == found.keys()
+    for name in expected:
+        assert torch.equal(expected[name], found[name]), name
+    no_trace_left("mgcsame")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(200)
+def test_a_failing_rank_gives_a_failing_status_the_failed_nodes_lines_and_nothing_left(tmp_path):
+    run = run_command(cluster_line("mgcfail", "--grace", "10", tmp_path / "fails.py", FAILS_ON_RANK_1), timeout=150)
+    assert run.returncode != 0
+    assert "--- node 1 exited with 1; its last lines:" in run.stdout
+    assert "rank 1 fails on purpose" in run.stdout
+    no_trace_left("mgcfail")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(200)
+def test_ctrl_c_stops_every_process_and_removes_the_network(tmp_path):
+    script = tmp_path / "sleeps.py"
+    process = subprocess.Popen(
+        cluster_line("mgcint", script, SLEEPS),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    for line in process.stdout:  # wait until the world exists: the interrupt then finds workers to stop
+        if "all ranks joined" in line:
+            break
+    workers = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
+    assert len(workers) >= 2  # both nodes' worker (and launcher) processes are running
+    process.send_signal(signal.SIGINT)
+    output = process.communicate(timeout=60)[0]
+    assert process.returncode == 130, output
+    assert "interrupted; launchers stopped and the network removed" in output
+    time.sleep(0.5)
+    assert subprocess.run(["pgrep", "-f", str(script)], capture_output=True).stdout == b""
+    no_trace_left("mgcint")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_a_taken_rendezvous_port_is_named_and_the_run_refused(capsys):
+    with EmulatedCluster(nodes=2, rate="1gbit", name="mgcport") as cluster:
+        holder = subprocess.Popen(
+            cluster.on_node(0, [PYTHON, "-c", RECEIVER.replace("5201", "29500")]), stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert holder.stdout.readline().strip() == "listening"
+            args, script = cluster_script.parse_args(["--name", "mgcport", "--", "solutions/01_ddp_basic.py"])
+            started = time.monotonic()
+            assert cluster_script.run_on_cluster(cluster, args, script) == 2
+            assert time.monotonic() - started < 10
+        finally:
+            holder.kill()
+            holder.wait()
+    assert "port 29500 is already in use on node 0" in capsys.readouterr().err
+    no_trace_left("mgcport")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_a_cluster_left_behind_by_a_killed_run_is_removed_by_name():
+    leftover = EmulatedCluster(nodes=2, rate="1gbit", name="mgcstale").__enter__()  # never closed: as if killed
+    assert course_namespaces("mgcstale") == ["mgcstale-node0", "mgcstale-node1", "mgcstale-switch"]
+    with EmulatedCluster(nodes=1, rate="1gbit", name="mgcstale"):
+        assert course_namespaces("mgcstale") == ["mgcstale-node0", "mgcstale-switch"]
+    assert leftover.namespaces and course_namespaces("mgcstale") == []
+
+
+def test_every_node_address_lies_in_the_benchmarking_block_and_more_nodes_are_refused():
+    assert [address(node) for node in (0, 1, 63)] == ["198.18.0.1", "198.18.0.2", "198.18.0.64"]
+    with pytest.raises(ClusterError, match="--nodes must be 1 to 64"):
+        EmulatedCluster(nodes=65)
