@@ -360,8 +360,8 @@ def train(args, env):
         # The mean over the replicas, which trained on different batches: the loss of every sample of the epoch.
         train_loss = torch.tensor(loss_sum / max(batches, 1), device=env.device)
         dist.all_reduce(train_loss, group=mesh["dp"].get_group())
-        first_step["samples/s"] = samples_per_second
-        history.append(report(epoch, args, env, mesh, net, test_iter, train_loss.item() / replicas, first_step))
+        train_loss = train_loss.item() / replicas
+        history.append(report(epoch, args, env, mesh, net, test_iter, train_loss, first_step, samples_per_second))
     return history
 
 
@@ -391,7 +391,7 @@ def counted_step(model, X, y, tp: str):
     return loss, step
 
 
-def report(epoch, args, env, mesh, net, test_iter, train_loss, first_step):
+def report(epoch, args, env, mesh, net, test_iter, train_loss, first_step, samples_per_second):
     """Print and return the epoch's loss, the first step's all-reduces, whether the replicated
     parameters are the same on every rank and each shard on every replica, and the test accuracy (every rank
     computes the same outputs)."""
@@ -408,7 +408,7 @@ def report(epoch, args, env, mesh, net, test_iter, train_loss, first_step):
         counted = f"{forward} forward all-reduce(s), {backward} backward (CommDebugMode counts calls, not bytes)"
     print0(
         f"epoch {epoch + 1}/{args.epochs}: train loss {train_loss:.4f} | test accuracy {test['accuracy']:.2%} | "
-        f"{first_step['samples/s']:,.0f} samples/s | "
+        f"{samples_per_second:,.0f} samples/s | "
         f"first step: {counted}; the formula: {first_step['formula bytes']} bytes each | "
         f"replicated parameters the same on every rank: {in_sync}, shards on every replica: {shards_in_sync}"
     )
