@@ -9,7 +9,7 @@
         --dataset digits --data-parallel 2
 
 Each node is a network namespace with one link to a switch (``common/cluster.py`` builds them). One ``torchrun``
-per node starts inside its namespace, as on a real cluster: ``--nnodes N --node-rank K --master-addr <node 0>``,
+per node starts inside its namespace, as on a real cluster: c10d rendezvous hosted by node 0 (``is_host=1``),
 with ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` naming the node's link. Node 0's output is printed as it comes
 (rank 0 prints the summary); another node's is printed when that node fails. The exit status is the worst of the
 launchers'. On every path (success, a failed rank, Ctrl-C, the deadline) the launchers are stopped and every
@@ -32,14 +32,19 @@ PORT_FREE = "import socket, sys; s = socket.socket(); s.bind((sys.argv[1], int(s
 
 
 def launcher_command(node: int, args, script: list[str]) -> list[str]:
-    """The torchrun line node ``node`` runs: static rendezvous at node 0, so node K holds ranks K*P .. K*P+P-1."""
+    """The torchrun line node ``node`` runs: the same on every node but for its address and ``is_host``.
+
+    The c10d rendezvous (lesson 07) orders the nodes by address, and ``--local-addr`` gives each its own (all the
+    namespaces share one host name): node K gets group rank K, so it holds ranks K*P .. K*P+P-1."""
     return [
         TORCHRUN,
         f"--nnodes={args.nodes}",
-        f"--node-rank={node}",
         f"--nproc-per-node={args.procs_per_node}",
-        f"--master-addr={address(0)}",
-        f"--master-port={args.port}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={address(0)}:{args.port}",
+        f"--rdzv-id={args.name}",
+        f"--rdzv-conf=is_host={int(node == 0)}",
+        f"--local-addr={address(node)}",
         *script,
     ]
 

@@ -14,36 +14,25 @@ import time
 import pytest
 import torch
 
-from common.cluster import ClusterError, EmulatedCluster, address, course_namespaces, parse_rate
+from common.cluster import (
+    ClusterError,
+    EmulatedCluster,
+    address,
+    course_namespaces,
+    measure_link_rate,
+    parse_rate,
+)
 from common.launch import load_script
 from tests.conftest import PYTHON, REPO, run_command, torchrun
 
 CLUSTER = REPO / "scripts" / "cluster.py"
 cluster_script = load_script(CLUSTER)
 
-# Rate check: one node sends for about two seconds to the other, through both links' token buckets.
-SENDER = """
-import socket, sys, time
-total = int(sys.argv[2])
-with socket.create_connection((sys.argv[1], 5201), timeout=30) as s:
-    chunk = bytes(1 << 20)
-    started, sent = time.perf_counter(), 0
-    while sent < total:
-        s.sendall(chunk)
-        sent += len(chunk)
-    s.shutdown(socket.SHUT_WR)
-    s.recv(1)  # the receiver answers once it has read the last byte: the clock stops there
-    print(sent * 8 / (time.perf_counter() - started))
-"""
 RECEIVER = """
 import socket
-with socket.create_server(("0.0.0.0", 5201)) as server:
+with socket.create_server(("0.0.0.0", 29500)) as server:
     print("listening", flush=True)
-    connection, _ = server.accept()
-    with connection:
-        while connection.recv(1 << 20):
-            pass
-        connection.sendall(b"x")
+    server.accept()
 """
 FAILS_ON_RANK_1 = """
 import os, time
@@ -54,6 +43,18 @@ if dist.get_rank() == 1:
     raise RuntimeError("rank 1 fails on purpose")
 time.sleep(60)
 """
+WHERE_AM_I = """
+import socket
+import torch.distributed as dist
+dist.init_process_group("gloo")
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+probe.connect(("198.18.0.254", 9))  # UDP: picks the route, sends nothing
+places = [None] * dist.get_world_size()
+dist.all_gather_object(places, probe.getsockname()[0])
+if dist.get_rank() == 0:
+    print("addresses by rank:", " ".join(places))
+dist.destroy_process_group()
+"""
 SLEEPS = """
 import time
 import torch.distributed as dist
@@ -61,27 +62,6 @@ dist.init_process_group("gloo")
 print("all ranks joined", flush=True)
 time.sleep(120)
 """
-
-
-def measured_rate(cluster: EmulatedCluster, seconds: float = 2.0) -> float:
-    """Bits per second a TCP stream from node 0 to node 1 reaches, sending ``seconds`` worth at the set rate."""
-    receiver = subprocess.Popen(
-        cluster.on_node(1, [PYTHON, "-c", RECEIVER]), stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        assert receiver.stdout.readline().strip() == "listening"
-        total = int(cluster.rate_bits / 8 * seconds)
-        sender = subprocess.run(
-            cluster.on_node(0, [PYTHON, "-c", SENDER, address(1), str(total)]),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert sender.returncode == 0, sender.stderr
-        return float(sender.stdout)
-    finally:
-        receiver.kill()
-        receiver.wait()
 
 
 def no_trace_left(name: str) -> None:
@@ -161,7 +141,7 @@ def test_a_machine_without_network_namespaces_gets_one_line_and_nothing_left(mon
 @pytest.mark.parametrize("rate", ["100mbit", "1gbit"])
 def test_the_link_carries_its_configured_rate_within_15_percent(rate):
     with EmulatedCluster(nodes=2, rate=rate, name="mgcrate") as cluster:
-        bits = measured_rate(cluster)
+        bits = measure_link_rate(cluster)
     assert 0.85 * parse_rate(rate) <= bits <= 1.15 * parse_rate(rate), f"{bits / 1e6:.0f} Mbit/s on a {rate} link"
     no_trace_left("mgcrate")
 
@@ -205,6 +185,15 @@ def test_two_nodes_train_the_same_parameters_bit_for_bit_as_two_processes_on_loo
 
 @pytest.mark.cluster
 @pytest.mark.timeout(200)
+def test_node_k_holds_ranks_k_times_p_onwards_so_consecutive_ranks_share_a_node(tmp_path):
+    run = run_command(cluster_line("mgcplace", "--procs-per-node", "2", tmp_path / "where.py", WHERE_AM_I), timeout=150)
+    assert run.returncode == 0, run.output[-2000:]
+    assert "addresses by rank: 198.18.0.1 198.18.0.1 198.18.0.2 198.18.0.2" in run.stdout
+    no_trace_left("mgcplace")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(200)
 def test_a_failing_rank_gives_a_failing_status_the_failed_nodes_lines_and_nothing_left(tmp_path):
     run = run_command(cluster_line("mgcfail", "--grace", "10", tmp_path / "fails.py", FAILS_ON_RANK_1), timeout=150)
     assert run.returncode != 0
@@ -243,9 +232,7 @@ def test_ctrl_c_stops_every_process_and_removes_the_network(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_taken_rendezvous_port_is_named_and_the_run_refused(capsys):
     with EmulatedCluster(nodes=2, rate="1gbit", name="mgcport") as cluster:
-        holder = subprocess.Popen(
-            cluster.on_node(0, [PYTHON, "-c", RECEIVER.replace("5201", "29500")]), stdout=subprocess.PIPE, text=True
-        )
+        holder = subprocess.Popen(cluster.on_node(0, [PYTHON, "-c", RECEIVER]), stdout=subprocess.PIPE, text=True)
         try:
             assert holder.stdout.readline().strip() == "listening"
             args, script = cluster_script.parse_args(["--name", "mgcport", "--", "solutions/01_ddp_basic.py"])
