@@ -27,6 +27,8 @@ What a lesson builds or shows:
 - ``common.fsdp`` (06): the plumbing around FSDP2 (mesh, options, mixed-precision policy), sharded (DCP)
   checkpoints, full state-dict export, and lesson 06's measurements (the sharding itself is in the solution).
 - ``common.fault_tolerance`` (07): numbered, verified checkpoints for restarts, the newest valid one, RNG states.
+- ``common.cluster`` (07): an emulated cluster on one machine: nodes as network namespaces joined by
+  rate-limited links (``EmulatedCluster``, ``measure_link_rate``); ``scripts/cluster.py`` runs a script on it.
 - ``common.debugging`` (07): collectives that ranks get wrong, and what ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` says.
 - ``common.ddp_by_hand`` (08): DDP built by hand: naive, overlapped with gradient hooks, bucketed.
 - ``common.zero_by_hand`` (08): ZeRO built by hand: sharded optimizer state (1), gradients (2), parameters (3).

@@ -56,8 +56,12 @@ def parse_rate(rate: str) -> int:
 
 
 def address(node: int) -> str:
-    """Node ``node``'s address on the cluster's network: node 0 is 198.18.0.1."""
-    return f"{SUBNET}.{node + 1}"
+    """Node ``node``'s address on the cluster's network: node 0 is 198.18.0.100, node 63 198.18.0.163.
+
+    Three digits for every node, so that the addresses sort as strings in the nodes' order: torchrun's c10d
+    rendezvous numbers the nodes by their addresses sorted as strings (lesson 07), and 198.18.0.10 would sort
+    before 198.18.0.2."""
+    return f"{SUBNET}.{100 + node}"
 
 
 def token_bucket(rate_bits: int) -> dict:
@@ -75,8 +79,8 @@ def token_bucket(rate_bits: int) -> dict:
 def require_root() -> None:
     if os.geteuid() != 0:
         raise ClusterError(
-            "the emulated cluster needs root to create network namespaces: run the same command with sudo in "
-            "front, or run the script without the emulator, on loopback"
+            "the emulated cluster needs root to create network namespaces: run it as root, or run the script "
+            "without the emulator, on loopback"
         )
     if shutil.which("ip") is None:
         raise ClusterError("the emulated cluster needs iproute2's `ip` command (apt-get install iproute2)")

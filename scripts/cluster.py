@@ -181,6 +181,16 @@ def parse_args(argv=None):
     return args, script
 
 
+def alternatives(args, script: list[str]) -> str:
+    """The same run as root (sudo keeps neither the virtual environment nor PATH, so name its Python), and the
+    same world on loopback, without the emulator."""
+    python = os.path.relpath(sys.executable) if not os.path.relpath(sys.executable).startswith("..") else sys.executable
+    options = ["--nodes", str(args.nodes), "--procs-per-node", str(args.procs_per_node), "--link", args.link]
+    as_root = shlex.join(["sudo", python, "scripts/cluster.py", *options, "--", *script])
+    world = args.nodes * args.procs_per_node
+    return f"as root: {as_root}; on loopback: torchrun --standalone --nproc_per_node={world} {shlex.join(script)}"
+
+
 def main(args, script: list[str]) -> int:
     # SIGTERM (a job scheduler, `kill`) takes the same path as Ctrl-C: stop the launchers, remove the network
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -189,8 +199,7 @@ def main(args, script: list[str]) -> int:
         with EmulatedCluster(args.nodes, args.link, args.name) as cluster:
             return run_on_cluster(cluster, args, script)
     except ClusterError as error:
-        loopback = f"torchrun --standalone --nproc_per_node={args.nodes * args.procs_per_node} {shlex.join(script)}"
-        print(f"error: {error} ({loopback})", file=sys.stderr)
+        print(f"error: {error} ({alternatives(args, script)})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("cluster: interrupted; launchers stopped and the network removed", file=sys.stderr)

@@ -9,6 +9,7 @@ where that is not so (CI runs as root and runs them).
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -115,7 +116,10 @@ def test_without_root_it_says_to_use_sudo_or_loopback_and_builds_nothing(monkeyp
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1
     loopback = "torchrun --standalone --nproc_per_node=2 solutions/01_ddp_basic.py --dataset digits"
-    assert "sudo" in error and loopback in error
+    as_root = (
+        "scripts/cluster.py --nodes 2 --procs-per-node 1 --link 1gbit -- solutions/01_ddp_basic.py --dataset digits"
+    )
+    assert f"as root: sudo {os.path.relpath(sys.executable)} {as_root}" in error and f"on loopback: {loopback}" in error
 
 
 def test_a_machine_without_network_namespaces_gets_one_line_and_nothing_left(monkeypatch, capsys):
@@ -188,7 +192,7 @@ def test_two_nodes_train_the_same_parameters_bit_for_bit_as_two_processes_on_loo
 def test_node_k_holds_ranks_k_times_p_onwards_so_consecutive_ranks_share_a_node(tmp_path):
     run = run_command(cluster_line("mgcplace", "--procs-per-node", "2", tmp_path / "where.py", WHERE_AM_I), timeout=150)
     assert run.returncode == 0, run.output[-2000:]
-    assert "addresses by rank: 198.18.0.1 198.18.0.1 198.18.0.2 198.18.0.2" in run.stdout
+    assert "addresses by rank: 198.18.0.100 198.18.0.100 198.18.0.101 198.18.0.101" in run.stdout
     no_trace_left("mgcplace")
 
 
@@ -256,7 +260,9 @@ def test_a_cluster_left_behind_by_a_killed_run_is_removed_by_name():
     assert leftover.namespaces and course_namespaces("mgcstale") == []
 
 
-def test_every_node_address_lies_in_the_benchmarking_block_and_more_nodes_are_refused():
-    assert [address(node) for node in (0, 1, 63)] == ["198.18.0.1", "198.18.0.2", "198.18.0.64"]
+def test_node_addresses_lie_in_the_benchmarking_block_and_sort_as_strings_in_node_order():
+    assert [address(node) for node in (0, 1, 63)] == ["198.18.0.100", "198.18.0.101", "198.18.0.163"]
+    addresses = [address(node) for node in range(64)]
+    assert sorted(addresses) == addresses  # c10d numbers the nodes by their sorted addresses
     with pytest.raises(ClusterError, match="--nodes must be 1 to 64"):
         EmulatedCluster(nodes=65)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NO_NETWORK, PYTHON, REPO, load_script
+from tests.conftest import NO_NETWORK, PYTHON, REPO, cluster_unavailable, load_script
 
 # The benchmark that repeats the fault drill reads the docstrings the same way: one reader for both.
 drill = load_script(REPO / "benchmarks" / "restart_drill.py")
@@ -121,6 +121,9 @@ NOT_RUN = {
     "python scripts/rehearse_two_nodes.py --max-restarts 1 -- solutions/05_multi_node.py --dataset digits --epochs 2 "
     "--batch-size 32 --checkpoint-every 4 --checkpoint-dir checkpoints/drill_two_nodes --fail-at-step 14":
         f"{SAME_LAUNCH}::test_a_crash_with_max_restarts_resumes_to_bit_identical_parameters",
+    "python benchmarks/cluster_network.py --out results/cpu-amd-epyc-2core/cluster_network":
+        f"{MEASURES}: about fifteen minutes of runs on the emulated cluster; tests/test_cluster.py checks the "
+        "emulator, and each part's scripts run here on loopback",
     "make demo": "make needs the repository as its folder and would set up .venv there; the torchrun line it runs "
                  "(solutions/01_ddp_basic.py --dataset digits on 2 processes) runs here",
     "make test": "the whole test suite, of which this test is a part",
@@ -318,6 +321,8 @@ def test_the_printed_command_runs_as_written(command_key, help_texts, reader_fol
     where, command = COMMANDS[command_key]
     if command_key in NOT_RUN:
         pytest.skip(f"{where} not run here: {NOT_RUN[command_key]}")
+    if "scripts/cluster.py" in command and cluster_unavailable():
+        pytest.skip(f"{where} not run here: emulated cluster tests skipped: {cluster_unavailable()}")
     quick = quick_options(command, help_texts)
     line = " ".join([command, *map(shlex.quote, quick)])
     start = time.monotonic()
