@@ -26,12 +26,14 @@ It writes ``OUT.txt`` (the machine, PyTorch, the date, then each part's commands
 import argparse
 import datetime
 import json
+import os
 import re
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +55,10 @@ def loopback_line(nproc: int, script: list) -> list[str]:
 
 def run(command: list[str], timeout: float = 1200) -> str:
     """Run ``command`` from the repository's folder; its standard output (a failure raises with the end of it)."""
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    # One thread per process everywhere: torchrun gives that to several local processes but all the cores to a
+    # single one, and the emulated nodes share this machine's cores.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
     return done.stdout
@@ -142,17 +147,28 @@ def part_fit(report: dict) -> list[str]:
     return out
 
 
-def part_ddp(report: dict) -> list[str]:
+def tables_by_link(links, command_for, header: str, read) -> tuple[list[str], dict]:
+    """Run ``command_for(link, json_path)`` for each link ("loopback" or a rate): its printed table from the line
+    starting with ``header``, under the command, and ``read(json_path)`` for each."""
     out, rows = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for where in ("loopback", "1gbit", "200mbit"):
+        for where in links:
             path = Path(tmp) / f"{where}.json"
-            script = ["benchmarks/ddp_by_hand.py", "--json", path]
-            command = loopback_line(2, script) if where == "loopback" else cluster_line(where, 1, script)
-            printed = run(command)
-            out += [f"$ {shown(command)}", *table_lines(printed, "build"), ""]
-            rows[where] = json.loads(path.read_text())
-    report["ddp"] = rows
+            command = command_for(where, path)
+            printed = run(command, timeout=2400)
+            out += [f"$ {shown(command)}", *table_lines(printed, header), ""]
+            rows[where] = read(path)
+    return out, rows
+
+
+def part_ddp(report: dict) -> list[str]:
+    def command_for(where, path):
+        script = ["benchmarks/ddp_by_hand.py", "--json", path]
+        return loopback_line(2, script) if where == "loopback" else cluster_line(where, 1, script)
+
+    out, report["ddp"] = tables_by_link(
+        ("loopback", "1gbit", "200mbit"), command_for, "build", lambda path: json.loads(path.read_text())
+    )
     return out
 
 
@@ -181,39 +197,42 @@ def part_buckets(report: dict) -> list[str]:
 
 
 def part_compression(report: dict) -> list[str]:
-    out, rows = [], {}
     configs = ["allreduce", "powersgd-r1", "powersgd-r2", "powersgd-r4"]
-    with tempfile.TemporaryDirectory() as tmp:
-        for where in ("loopback", "1gbit", "100mbit"):
-            path = Path(tmp) / f"{where}.json"
-            command = [PYTHON, "benchmarks/gradient_compression.py", "--configs", *configs, "--seeds", "0"]
-            command += ["--epochs", "3", "--json", str(path)] + ([] if where == "loopback" else ["--link", where])
-            printed = run(command, timeout=2400)
-            out += [f"$ {shown(command)}", *table_lines(printed, "configuration"), ""]
-            rows[where] = json.loads(path.read_text())["summary"]
-    report["compression"] = rows
+
+    def command_for(where, path):
+        command = [PYTHON, "benchmarks/gradient_compression.py", "--configs", *configs, "--seeds", "0"]
+        return command + ["--epochs", "3", "--json", str(path)] + ([] if where == "loopback" else ["--link", where])
+
+    out, report["compression"] = tables_by_link(
+        ("loopback", "1gbit", "100mbit"), command_for, "configuration", lambda p: json.loads(p.read_text())["summary"]
+    )
     return out
 
 
-def part_tp(report: dict) -> list[str]:
+def part_tp(report: dict, rounds: int = 3) -> list[str]:
     layouts = [  # the same global batch of 64: replicas x batch per replica
-        ("TP 4 (across the nodes)", 1, 64),
+        ("TP 4", 1, 64),
         ("TP 2 in a node x DP 2 across", 2, 32),
         ("DP 4", 4, 16),
     ]
-    out = ["where     layout                          samples/s (epoch 1, 24 steps of 64)"]
+    speeds = {}
+    for _ in range(rounds):  # the runs take turns, so that a background load hits every layout alike
+        for where in ("1gbit", "loopback"):
+            for name, replicas, batch in layouts:
+                script = ["solutions/13_tensor_parallel.py", "--dataset", "digits", "--epochs", "1"]
+                script += ["--max-batches-per-epoch", "24", "--num-workers", "0", "--data-parallel", replicas]
+                script += ["--batch-size", batch]
+                command = loopback_line(4, script) if where == "loopback" else cluster_line(where, 2, script)
+                printed = run(command)
+                speed = float(re.search(r"\| ([\d,]+) samples/s \|", printed).group(1).replace(",", ""))
+                speeds.setdefault((where, name), []).append(speed)
+    out = [f"where     layout                          samples/s, median of {rounds} runs (min-max); 24 steps of 64"]
     rows = []
-    for where in ("1gbit", "loopback"):
-        for name, replicas, batch in layouts:
-            script = ["solutions/13_tensor_parallel.py", "--dataset", "digits", "--epochs", "1"]
-            script += ["--max-batches-per-epoch", "24", "--num-workers", "0", "--data-parallel", replicas]
-            script += ["--batch-size", batch]
-            command = loopback_line(4, script) if where == "loopback" else cluster_line(where, 2, script)
-            printed = run(command)
-            speed = float(re.search(r"\| ([\d,]+) samples/s \|", printed).group(1).replace(",", ""))
-            rows.append({"where": where, "layout": name, "replicas": replicas, "samples_per_second": speed})
-            out.append(f"{where:>8}  {name:<31} {speed:>9,.0f}")
-    out.append(f"(command of the last row: {shown(command)})")
+    for (where, name), runs in speeds.items():
+        rows.append({"where": where, "layout": name, "samples_per_second": runs})
+        middle = statistics.median(runs)
+        out.append(f"{where:>8}  {name:<31} {middle:>9,.0f} ({min(runs):,.0f}-{max(runs):,.0f})")
+    out.append(f"(command of the last run: {shown(command)})")
     report["tp"] = rows
     return out
 
@@ -222,21 +241,40 @@ def main(args) -> None:
     from common.reports import machine_summary
 
     head = [
-        f"{machine_summary()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"$ {shown([PYTHON, 'benchmarks/cluster_network.py', *sys.argv[1:]])}",
+        machine_summary(),
         "two emulated nodes (scripts/cluster.py): network namespaces on a bridge, each link capped by tbf",
     ]
     print("\n".join(head), flush=True)
-    report, text = {"setup": head}, list(head)
+    # With --out, the parts not run now keep their earlier sections: each section names its own command and date.
+    sections = read_sections(args.out) if args.out else {}
+    report = json.loads(args.out.with_suffix(".json").read_text()) if args.out and sections else {}
     for part in args.parts:
+        started = time.perf_counter()
+        when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
         lines = globals()[f"part_{part}"](report)
-        section = ["", f"== {part}", *lines]
-        print("\n".join(section), flush=True)
-        text += section
+        command = shown([PYTHON, "benchmarks/cluster_network.py", "--parts", part])
+        sections[part] = [f"== {part}: {when}, {time.perf_counter() - started:.0f} s, $ {command}", *lines]
+        print("\n".join(sections[part]), flush=True)
         if args.out:  # after every part: a run cut short keeps what it measured
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.with_suffix(".txt").write_text("\n".join(text) + "\n")
-            args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+            ordered = [sections[name] for name in PARTS if name in sections]
+            args.out.with_suffix(".txt").write_text("\n\n".join("\n".join(lines) for lines in [head, *ordered]) + "\n")
+            args.out.with_suffix(".json").write_text(json.dumps({**report, "setup": head}, indent=2) + "\n")
+
+
+def read_sections(out: Path) -> dict[str, list[str]]:
+    """The parts' sections of an earlier ``OUT.txt``: ``{part: its lines}``, each from its ``== part`` line on."""
+    path = out.with_suffix(".txt")
+    if not path.exists():
+        return {}
+    sections, current = {}, None
+    for line in path.read_text().splitlines():
+        if line.startswith("== "):
+            current = line[3:].split(":")[0].split()[0]
+            sections[current] = []
+        if current is not None:
+            sections[current].append(line)
+    return {part: lines[:-1] if lines and not lines[-1].strip() else lines for part, lines in sections.items()}
 
 
 def parse_args(argv=None):

@@ -11,9 +11,10 @@ the link's rate. Nothing else changes: the training scripts and ``torchrun`` run
         subprocess.run(cluster.on_node(0, ["python", "-c", "print('hello from node 0')"]))
 
 The namespaces have no link into the machine's own namespace and no route out: their addresses (198.18.0.0/24,
-the block RFC 2544 sets aside for benchmarking networks) exist only inside them. Every name starts with the
-cluster's ``name``, so a cluster that an earlier run left behind (a killed process cannot clean up) is found and
-removed by name before a new one is made.
+inside the 198.18.0.0/15 block that RFC 2544 sets aside for benchmarking networks) exist only inside them. Every
+name starts with the cluster's ``name``. One run holds a name at a time (a lock in /run, which the kernel releases
+when its holder dies), so a cluster that an earlier, killed run left behind is found and removed by name, its
+processes killed, before a new one is made; a live run's cluster is never touched.
 
 Why pyroute2: it speaks netlink, the kernel's own interface for links, addresses and queueing disciplines, from
 Python, so the set-up is a dozen readable calls with errors raised as exceptions, rather than a shell script of
@@ -24,6 +25,7 @@ switches, with more machinery (and a controller) than two links need. The launch
 It needs root (creating namespaces and links is privileged). ``scripts/cluster.py`` is the command readers run.
 """
 
+import fcntl
 import os
 import re
 import shutil
@@ -102,7 +104,16 @@ class EmulatedCluster:
 
     def __enter__(self) -> "EmulatedCluster":
         require_root()
-        removed = remove_stale(self.name)
+        # One run per name at a time: the lock is the kernel's, so it is released when its holder dies, however.
+        self._lock = open(f"/run/{self.name}-cluster.lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ClusterError(
+                f"another run is using the cluster name {self.name!r}: wait for it, or give this one another --name"
+            ) from None
+        removed = remove_stale(self.name)  # its holder is gone: whatever carries the name now is left over
         if removed:
             print(f"cluster: removed {len(removed)} namespace(s) an earlier run left behind: {', '.join(removed)}")
         try:
@@ -161,6 +172,9 @@ class EmulatedCluster:
         """Remove the namespaces (their links and queues go with them), ending any process left inside."""
         for namespace in (*self.namespaces, self.switch):
             delete_namespace(namespace)
+        if getattr(self, "_lock", None) is not None:
+            self._lock.close()  # closing the file releases the lock
+            self._lock = None
 
 
 # A TCP stream from one node to another: the receiver reads to the end and answers one byte, so the sender's clock
@@ -190,22 +204,25 @@ with socket.create_connection((sys.argv[1], 5201), timeout=30) as s:
 """
 
 
-def measure_link_rate(cluster: "EmulatedCluster", seconds: float = 2.0, python: str = sys.executable) -> float:
-    """Bits per second one TCP stream from node 0 to node 1 carries, sending ``seconds`` worth at the set rate:
-    the rate a program sees, to compare with the rate the links were set to."""
-    receiver = subprocess.Popen(cluster.on_node(1, [python, "-c", _RECEIVER]), stdout=subprocess.PIPE, text=True)
+def measure_link_rate(
+    cluster: "EmulatedCluster", seconds: float = 2.0, sender: int = 0, receiver: int = 1, python: str = sys.executable
+) -> float:
+    """Bits per second one TCP stream from node ``sender`` to node ``receiver`` carries, sending ``seconds`` worth
+    at the set rate: the rate a program sees, to compare with the rate the links were set to."""
+    source, sink = sender, receiver
+    receiver = subprocess.Popen(cluster.on_node(sink, [python, "-c", _RECEIVER]), stdout=subprocess.PIPE, text=True)
     try:
         if receiver.stdout.readline().strip() != "listening":
-            raise ClusterError("the receiver on node 1 did not start")
+            raise ClusterError(f"the receiver on node {sink} did not start")
         total = int(cluster.rate_bits / 8 * seconds)
         sender = subprocess.run(
-            cluster.on_node(0, [python, "-c", _SENDER, address(1), str(total)]),
+            cluster.on_node(source, [python, "-c", _SENDER, address(sink), str(total)]),
             capture_output=True,
             text=True,
             timeout=30 + 4 * seconds,
         )
         if sender.returncode != 0:
-            raise ClusterError(f"the sender on node 0 failed: {sender.stderr.strip().splitlines()[-1:]}")
+            raise ClusterError(f"the sender on node {source} failed: {sender.stderr.strip().splitlines()[-1:]}")
         return float(sender.stdout)
     finally:
         receiver.kill()
@@ -228,15 +245,20 @@ def remove_stale(name: str) -> list[str]:
 
 
 def delete_namespace(namespace: str) -> None:
-    """Kill what still runs in ``namespace`` (only our launchers' leftovers can), then delete it; quiet if gone."""
-    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-    for _ in range(50):  # a killed process leaves its namespace once the kernel has reaped it
-        result = subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, text=True)
-        if result.returncode == 0 or "No such file" in result.stderr:
+    """Kill every process still in ``namespace`` (only our launchers' leftovers can be there), until none is left,
+    then delete it; quiet if it is gone. Deleting removes the name only: a process left inside would keep the
+    namespace, and its links, alive unseen."""
+    for _ in range(50):
+        listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+        if listed.returncode != 0:  # no such namespace
             return
-        time.sleep(0.1)
+        pids = listed.stdout.split()
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        time.sleep(0.1)  # the kernel reaps them; a process forked meanwhile is caught by the next round
+    subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, text=True)

@@ -50,7 +50,10 @@ def launcher_command(node: int, args, script: list[str]) -> list[str]:
 
 
 def port_taken(cluster: EmulatedCluster, port: int) -> bool:
-    """True when something inside node 0 already holds ``port`` on its address: the rendezvous could not listen."""
+    """True when something inside node 0 already holds ``port`` on its address: the rendezvous could not listen.
+
+    In a cluster this command has just built nothing can; the check guards a caller of ``run_on_cluster`` that
+    starts its own servers on the nodes first (tests, benchmarks)."""
     check = subprocess.run(
         cluster.on_node(0, [sys.executable, "-c", PORT_FREE, address(0), str(port)]), capture_output=True, timeout=30
     )
@@ -67,7 +70,9 @@ def relay(process: subprocess.Popen, lines: list[str], echo: bool) -> None:
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
-    """SIGTERM each launcher's process group (torchrun forwards it to its workers), then SIGKILL what is left."""
+    """SIGTERM each launcher's process group, then SIGKILL what is left of it. torchrun answers SIGTERM by ending
+    its workers, which run in sessions of their own; a worker that outlives a SIGKILLed torchrun is killed when its
+    node's namespace is removed (``EmulatedCluster.close``)."""
     for signal_number, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
         for process in processes:
             if process.poll() is None:
@@ -122,7 +127,7 @@ def run_on_cluster(cluster: EmulatedCluster, args, script: list[str]) -> int:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
-                    start_new_session=True,  # a process group of its own: stop() ends its workers with it
+                    start_new_session=True,  # a group of its own, which stop() signals: torchrun then ends its workers
                     env={**os.environ, "PYTHONUNBUFFERED": "1", **share_of_the_cores(args)},
                 )
             )
@@ -192,8 +197,10 @@ def alternatives(args, script: list[str]) -> str:
 
 
 def main(args, script: list[str]) -> int:
-    # SIGTERM (a job scheduler, `kill`) takes the same path as Ctrl-C: stop the launchers, remove the network
+    # SIGTERM (a job scheduler, `kill`) and SIGHUP (a closed terminal) take the same path as Ctrl-C: stop the
+    # launchers, remove the network. Only SIGKILL skips it; the next run with the same --name then cleans up.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
     try:
         require_root()
         with EmulatedCluster(args.nodes, args.link, args.name) as cluster:

@@ -56,6 +56,13 @@ if dist.get_rank() == 0:
     print("addresses by rank:", " ".join(places))
 dist.destroy_process_group()
 """
+JOINS = """
+import datetime
+import torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))
+dist.barrier()
+print("joined", flush=True)
+"""
 SLEEPS = """
 import time
 import torch.distributed as dist
@@ -65,12 +72,12 @@ time.sleep(120)
 """
 
 
-def no_trace_left(name: str) -> None:
-    """Nothing of cluster ``name`` remains: no namespace, and so none of its links or queues; no bridge or port of
-    it in the machine's own namespace either (the emulator never makes one there)."""
+def no_trace_left(name: str, script=None) -> None:
+    """Nothing of cluster ``name`` remains: no namespace (its links and queues live in them), and no process that
+    runs ``script``, if given."""
     assert course_namespaces(name) == []
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    assert " port0" not in links and " switch:" not in links
+    if script is not None:
+        assert subprocess.run(["pgrep", "-f", str(script)], capture_output=True).stdout == b""
 
 
 def cluster_line(name: str, *options_and_script) -> list:
@@ -145,8 +152,15 @@ def test_a_machine_without_network_namespaces_gets_one_line_and_nothing_left(mon
 @pytest.mark.parametrize("rate", ["100mbit", "1gbit"])
 def test_the_link_carries_its_configured_rate_within_15_percent(rate):
     with EmulatedCluster(nodes=2, rate=rate, name="mgcrate") as cluster:
-        bits = measure_link_rate(cluster)
-    assert 0.85 * parse_rate(rate) <= bits <= 1.15 * parse_rate(rate), f"{bits / 1e6:.0f} Mbit/s on a {rate} link"
+        ends = [(namespace, "eth0") for namespace in cluster.namespaces] + [(cluster.switch, "port0")]
+        for namespace, device in ends + [(cluster.switch, "port1")]:  # a token bucket on both ends of both cables
+            queues = subprocess.run(
+                ["ip", "netns", "exec", namespace, "tc", "qdisc", "show", "dev", device], capture_output=True, text=True
+            ).stdout.lower()
+            assert "tbf" in queues and f"rate {rate.removesuffix('bit')}" in queues, (namespace, device, queues)
+        forth, back = measure_link_rate(cluster), measure_link_rate(cluster, sender=1, receiver=0)
+    for bits in (forth, back):  # each way crosses two limited queues: the sender's eth0 and the switch's port
+        assert 0.85 * parse_rate(rate) <= bits <= parse_rate(rate), f"{bits / 1e6:.0f} Mbit/s on a {rate} link"
     no_trace_left("mgcrate")
 
 
@@ -169,12 +183,18 @@ def test_node_addresses_reach_each_other_and_nothing_else():
 @pytest.mark.timeout(400)
 def test_two_nodes_train_the_same_parameters_bit_for_bit_as_two_processes_on_loopback(tmp_path):
     arguments = ["--dataset", "digits", "--epochs", "1", "--max-batches-per-epoch", "4", "--num-workers", "0"]
-    loopback = torchrun("solutions/01_ddp_basic.py", *arguments, "--checkpoint-dir", tmp_path / "loopback")
+    # torchrun gives 1 thread to each of several local processes, all the cores to a single one; a different number
+    # of threads sums in another order, so both sides run with one
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    loopback = torchrun(
+        "solutions/01_ddp_basic.py", *arguments, "--checkpoint-dir", tmp_path / "loopback", env_extra=one_thread
+    )
     assert loopback.returncode == 0, loopback.stderr[-2000:]
     on_cluster = run_command(
         [PYTHON, CLUSTER, "--nodes", "2", "--procs-per-node", "1", "--link", "1gbit", "--name", "mgcsame", "--"]
         + ["solutions/01_ddp_basic.py", *arguments, "--checkpoint-dir", tmp_path / "cluster"],
         timeout=300,
+        env_extra=one_thread,
     )
     assert on_cluster.returncode == 0, on_cluster.output[-2000:]
     assert "2 process(es), backend gloo" in on_cluster.stdout  # one world across both nodes
@@ -189,11 +209,50 @@ def test_two_nodes_train_the_same_parameters_bit_for_bit_as_two_processes_on_loo
 
 @pytest.mark.cluster
 @pytest.mark.timeout(200)
-def test_node_k_holds_ranks_k_times_p_onwards_so_consecutive_ranks_share_a_node(tmp_path):
-    run = run_command(cluster_line("mgcplace", "--procs-per-node", "2", tmp_path / "where.py", WHERE_AM_I), timeout=150)
-    assert run.returncode == 0, run.output[-2000:]
-    assert "addresses by rank: 198.18.0.100 198.18.0.100 198.18.0.101 198.18.0.101" in run.stdout
+def test_node_k_holds_ranks_k_times_p_onwards_even_when_node_1_joins_first(tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text(WHERE_AM_I)
+    args, _ = cluster_script.parse_args(["--procs-per-node", "2", "--name", "mgcplace", "--", str(script)])
+    with EmulatedCluster(nodes=2, rate="1gbit", name="mgcplace") as cluster:
+        launchers = {}
+        for node in (1, 0):  # node 1 first: its launcher waits for node 0's store, then joins
+            launchers[node] = subprocess.Popen(
+                cluster.on_node(node, cluster_script.launcher_command(node, args, [str(script)])),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            time.sleep(3)
+        outputs = {node: launcher.communicate(timeout=120)[0] for node, launcher in launchers.items()}
+    assert all(launcher.returncode == 0 for launcher in launchers.values()), outputs
+    assert "addresses by rank: 198.18.0.100 198.18.0.100 198.18.0.101 198.18.0.101" in outputs[0]
     no_trace_left("mgcplace")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(200)
+def test_without_the_interface_named_gloo_advertises_loopback_and_the_nodes_cannot_connect(
+    tmp_path, monkeypatch, capfd
+):
+    # The host name of a machine (or container) often resolves to 127.0.0.1; gloo then binds there, and tells the
+    # other node an address it cannot reach. What GLOO_SOCKET_IFNAME=eth0 in the emulator prevents.
+    hostname = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
+    resolved = subprocess.run(["getent", "hosts", hostname], capture_output=True, text=True).stdout.split()
+    if not resolved or not resolved[0].startswith("127."):
+        pytest.skip(f"the host name {hostname!r} resolves to {resolved[:1]}, not loopback: gloo may find a route")
+    named = EmulatedCluster.on_node
+    monkeypatch.setattr(
+        EmulatedCluster,
+        "on_node",
+        lambda self, node, command: [w for w in named(self, node, command) if "IFNAME" not in w],
+    )
+    args, script = cluster_script.parse_args(["--name", "mgcifn", "--grace", "20", "--", str(tmp_path / "joins.py")])
+    (tmp_path / "joins.py").write_text(JOINS)
+    with EmulatedCluster(nodes=2, rate="1gbit", name="mgcifn") as cluster:
+        assert cluster_script.run_on_cluster(cluster, args, script) != 0
+    printed = capfd.readouterr().out
+    assert "joined" not in printed and "remote=[127.0.0.1]" in printed, printed[-3000:]  # loopback, not 198.18.0.x
+    no_trace_left("mgcifn")
 
 
 @pytest.mark.cluster
@@ -203,7 +262,7 @@ def test_a_failing_rank_gives_a_failing_status_the_failed_nodes_lines_and_nothin
     assert run.returncode != 0
     assert "--- node 1 exited with 1; its last lines:" in run.stdout
     assert "rank 1 fails on purpose" in run.stdout
-    no_trace_left("mgcfail")
+    no_trace_left("mgcfail", tmp_path / "fails.py")
 
 
 @pytest.mark.cluster
@@ -228,8 +287,7 @@ def test_ctrl_c_stops_every_process_and_removes_the_network(tmp_path):
     assert process.returncode == 130, output
     assert "interrupted; launchers stopped and the network removed" in output
     time.sleep(0.5)
-    assert subprocess.run(["pgrep", "-f", str(script)], capture_output=True).stdout == b""
-    no_trace_left("mgcint")
+    no_trace_left("mgcint", script)
 
 
 @pytest.mark.cluster
@@ -252,12 +310,25 @@ def test_a_taken_rendezvous_port_is_named_and_the_run_refused(capsys):
 
 @pytest.mark.cluster
 @pytest.mark.timeout(60)
+def test_a_live_cluster_is_never_taken_over_by_a_second_run_of_the_same_name():
+    with EmulatedCluster(nodes=2, rate="1gbit", name="mgclive"):
+        with pytest.raises(ClusterError, match="another run is using the cluster name 'mgclive'"):
+            EmulatedCluster(nodes=2, rate="1gbit", name="mgclive").__enter__()
+        assert course_namespaces("mgclive") == ["mgclive-node0", "mgclive-node1", "mgclive-switch"]
+    no_trace_left("mgclive")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
 def test_a_cluster_left_behind_by_a_killed_run_is_removed_by_name():
-    leftover = EmulatedCluster(nodes=2, rate="1gbit", name="mgcstale").__enter__()  # never closed: as if killed
+    leftover = EmulatedCluster(nodes=2, rate="1gbit", name="mgcstale").__enter__()
+    leftover._lock.close()  # as if its process had been killed: the kernel releases the lock, the namespaces stay
+    sleeper = subprocess.Popen(leftover.on_node(0, ["sleep", "300"]))  # and a process left inside one
     assert course_namespaces("mgcstale") == ["mgcstale-node0", "mgcstale-node1", "mgcstale-switch"]
     with EmulatedCluster(nodes=1, rate="1gbit", name="mgcstale"):
         assert course_namespaces("mgcstale") == ["mgcstale-node0", "mgcstale-switch"]
     assert leftover.namespaces and course_namespaces("mgcstale") == []
+    assert sleeper.wait(timeout=10) == -9  # killed with its namespace
 
 
 def test_node_addresses_lie_in_the_benchmarking_block_and_sort_as_strings_in_node_order():
