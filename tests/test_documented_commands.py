@@ -122,7 +122,7 @@ NOT_RUN = {
     "--batch-size 32 --checkpoint-every 4 --checkpoint-dir checkpoints/drill_two_nodes --fail-at-step 14":
         f"{SAME_LAUNCH}::test_a_crash_with_max_restarts_resumes_to_bit_identical_parameters",
     "python benchmarks/cluster_network.py --out results/cpu-amd-epyc-2core/cluster_network":
-        f"{MEASURES}: about fifteen minutes of runs on the emulated cluster; tests/test_cluster.py checks the "
+        f"{MEASURES}: every part in turn on the emulated cluster; tests/test_cluster.py checks the "
         "emulator, and each part's scripts run here on loopback",
     "make demo": "make needs the repository as its folder and would set up .venv there; the torchrun line it runs "
                  "(solutions/01_ddp_basic.py --dataset digits on 2 processes) runs here",
