@@ -230,7 +230,6 @@ def test_node_k_holds_ranks_k_times_p_onwards_even_when_node_1_joins_first(tmp_p
 
 
 @pytest.mark.cluster
-@pytest.mark.slow  # half a minute: gloo's connection attempts must time out
 @pytest.mark.timeout(200)
 def test_without_the_interface_named_gloo_advertises_loopback_and_the_nodes_cannot_connect(
     tmp_path, monkeypatch, capfd
