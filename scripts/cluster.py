@@ -199,8 +199,9 @@ def alternatives(args, script: list[str]) -> str:
 def main(args, script: list[str]) -> int:
     # SIGTERM (a job scheduler, `kill`) and SIGHUP (a closed terminal) take the same path as Ctrl-C: stop the
     # launchers, remove the network. Only SIGKILL skips it; the next run with the same --name then cleans up.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    signal.signal(signal.SIGHUP, signal.default_int_handler)
+    # SIGINT is set too: a shell starts a background job with SIGINT ignored, and Python then keeps it ignored.
+    for signal_number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signal_number, signal.default_int_handler)
     try:
         require_root()
         with EmulatedCluster(args.nodes, args.link, args.name) as cluster:

@@ -59,7 +59,7 @@ dist.destroy_process_group()
 JOINS = """
 import datetime
 import torch.distributed as dist
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
 dist.barrier()
 print("joined", flush=True)
 """
@@ -222,7 +222,7 @@ def test_node_k_holds_ranks_k_times_p_onwards_even_when_node_1_joins_first(tmp_p
                 stderr=subprocess.STDOUT,
                 text=True,
             )
-            time.sleep(3)
+            time.sleep(2)
         outputs = {node: launcher.communicate(timeout=120)[0] for node, launcher in launchers.items()}
     assert all(launcher.returncode == 0 for launcher in launchers.values()), outputs
     assert "addresses by rank: 198.18.0.100 198.18.0.100 198.18.0.101 198.18.0.101" in outputs[0]
@@ -246,7 +246,7 @@ def test_without_the_interface_named_gloo_advertises_loopback_and_the_nodes_cann
         "on_node",
         lambda self, node, command: [w for w in named(self, node, command) if "IFNAME" not in w],
     )
-    args, script = cluster_script.parse_args(["--name", "mgcifn", "--grace", "20", "--", str(tmp_path / "joins.py")])
+    args, script = cluster_script.parse_args(["--name", "mgcifn", "--grace", "5", "--", str(tmp_path / "joins.py")])
     (tmp_path / "joins.py").write_text(JOINS)
     with EmulatedCluster(nodes=2, rate="1gbit", name="mgcifn") as cluster:
         assert cluster_script.run_on_cluster(cluster, args, script) != 0
@@ -258,7 +258,7 @@ def test_without_the_interface_named_gloo_advertises_loopback_and_the_nodes_cann
 @pytest.mark.cluster
 @pytest.mark.timeout(200)
 def test_a_failing_rank_gives_a_failing_status_the_failed_nodes_lines_and_nothing_left(tmp_path):
-    run = run_command(cluster_line("mgcfail", "--grace", "10", tmp_path / "fails.py", FAILS_ON_RANK_1), timeout=150)
+    run = run_command(cluster_line("mgcfail", "--grace", "3", tmp_path / "fails.py", FAILS_ON_RANK_1), timeout=150)
     assert run.returncode != 0
     assert "--- node 1 exited with 1; its last lines:" in run.stdout
     assert "rank 1 fails on purpose" in run.stdout
@@ -276,6 +276,8 @@ def test_ctrl_c_stops_every_process_and_removes_the_network(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # as a shell starts a background job: SIGINT ignored, which a Python program keeps unless it sets its own
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     for line in process.stdout:  # wait until the world exists: the interrupt then finds workers to stop
         if "all ranks joined" in line:
@@ -283,7 +285,12 @@ def test_ctrl_c_stops_every_process_and_removes_the_network(tmp_path):
     workers = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
     assert len(workers) >= 2  # both nodes' worker (and launcher) processes are running
     process.send_signal(signal.SIGINT)
-    output = process.communicate(timeout=60)[0]
+    try:
+        output = process.communicate(timeout=60)[0]
+    finally:
+        if process.poll() is None:  # the interrupt was lost: end the run the way that still cleans up
+            process.terminate()
+            process.wait(timeout=60)
     assert process.returncode == 130, output
     assert "interrupted; launchers stopped and the network removed" in output
     time.sleep(0.5)
