@@ -1,6 +1,6 @@
 """Lessons 07-12 measured where readers train: two nodes joined by a slow link (the emulated cluster), not loopback.
 
-    python benchmarks/cluster_network.py --out results/cpu-amd-epyc-2core/cluster_network   # all parts, ~15 min
+    python benchmarks/cluster_network.py --out results/cpu-amd-epyc-2core/cluster_network   # all parts, ~12 min
     python benchmarks/cluster_network.py --parts link allreduce --out /tmp/quick                   # a few of them
 
 Every run goes through ``scripts/cluster.py`` (two network namespaces, each link capped by ``tbf``; it needs root),
@@ -36,21 +36,20 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common.launch import REPO, cluster_command, torchrun_command
+
 PYTHON = sys.executable
-TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 PARTS = ["link", "allreduce", "fit", "ddp", "buckets", "compression", "tp"]
 FIT_SIZES = [4, 4096, 65536, 1 << 20, 4 << 20, 16 << 20]
 
 
 def cluster_line(link: str, procs_per_node: int, script: list) -> list[str]:
     """The command that runs ``script`` on two emulated nodes joined at ``link``."""
-    nodes = ["--nodes", "2", "--procs-per-node", str(procs_per_node), "--link", link]
-    return [PYTHON, "scripts/cluster.py", *nodes, "--", *map(str, script)]
+    return cluster_command(*script, nproc=2 * procs_per_node, link=link)
 
 
 def loopback_line(nproc: int, script: list) -> list[str]:
-    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *map(str, script)]
+    return torchrun_command(*script, nproc=nproc)
 
 
 def run(command: list[str], timeout: float = 1200) -> str:
@@ -66,7 +65,7 @@ def run(command: list[str], timeout: float = 1200) -> str:
 
 def shown(command: list[str]) -> str:
     """The command as a reader types it, relative to the repository, with .venv's Python."""
-    text = shlex.join(command).replace(str(Path(PYTHON).parent) + "/", ".venv/bin/")
+    text = shlex.join(command).replace(str(Path(PYTHON).parent) + "/", ".venv/bin/").replace(f"{REPO}/", "")
     return text.replace(".venv/bin/python3 ", ".venv/bin/python ")
 
 
