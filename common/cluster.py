@@ -113,6 +113,7 @@ class EmulatedCluster:
             raise ClusterError(
                 f"another run is using the cluster name {self.name!r}: wait for it, or give this one another --name"
             ) from None
+        self._builder = os.getpid()
         removed = remove_stale(self.name)  # its holder is gone: whatever carries the name now is left over
         if removed:
             print(f"cluster: removed {len(removed)} namespace(s) an earlier run left behind: {', '.join(removed)}")
@@ -169,7 +170,11 @@ class EmulatedCluster:
         ]
 
     def close(self) -> None:
-        """Remove the namespaces (their links and queues go with them), ending any process left inside."""
+        """Remove the namespaces (their links and queues go with them), ending any process left inside. Only the
+        process that built them does: a forked copy of it (pyroute2 forks one to work inside a namespace) that
+        unwinds through this method leaves them alone."""
+        if getattr(self, "_builder", None) != os.getpid():
+            return
         for namespace in (*self.namespaces, self.switch):
             delete_namespace(namespace)
         if getattr(self, "_lock", None) is not None:

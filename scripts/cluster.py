@@ -17,6 +17,7 @@ namespace, link and queue is removed.
 """
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -196,22 +197,43 @@ def alternatives(args, script: list[str]) -> str:
     return f"as root: {as_root}; on loopback: torchrun --standalone --nproc_per_node={world} {shlex.join(script)}"
 
 
-def main(args, script: list[str]) -> int:
-    # SIGTERM (a job scheduler, `kill`) and SIGHUP (a closed terminal) take the same path as Ctrl-C: stop the
-    # launchers, remove the network. Only SIGKILL skips it; the next run with the same --name then cleans up.
-    # SIGINT is set too: a shell starts a background job with SIGINT ignored, and Python then keeps it ignored.
-    for signal_number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signal_number, signal.default_int_handler)
+@contextlib.contextmanager
+def signals_interrupt_this_process():
+    """SIGTERM (a job scheduler, `kill`) and SIGHUP (a closed terminal) take the same path as Ctrl-C while the run
+    lasts: stop the launchers, remove the network. Only SIGKILL skips it; the next run with the same --name then
+    cleans up. SIGINT is set too: a shell starts a background job with SIGINT ignored, and Python keeps it so.
+
+    Only this process is interrupted. pyroute2 forks short-lived copies of it to work inside a namespace and ends
+    them with SIGTERM: a copy that raised KeyboardInterrupt would unwind through this process's frames and remove the
+    network it was building. A copy exits at once instead. The handlers before the run come back after it."""
+    owner = os.getpid()
+
+    def interrupt(signal_number, frame):
+        if os.getpid() != owner:
+            os._exit(128 + signal_number)
+        raise KeyboardInterrupt
+
+    caught = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {number: signal.signal(number, interrupt) for number in caught}
     try:
-        require_root()
-        with EmulatedCluster(args.nodes, args.link, args.name) as cluster:
-            return run_on_cluster(cluster, args, script)
-    except ClusterError as error:
-        print(f"error: {error} ({alternatives(args, script)})", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("cluster: interrupted; launchers stopped and the network removed", file=sys.stderr)
-        return 130
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
+def main(args, script: list[str]) -> int:
+    with signals_interrupt_this_process():
+        try:
+            require_root()
+            with EmulatedCluster(args.nodes, args.link, args.name) as cluster:
+                return run_on_cluster(cluster, args, script)
+        except ClusterError as error:
+            print(f"error: {error} ({alternatives(args, script)})", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("cluster: interrupted; launchers stopped and the network removed", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":
