@@ -13,10 +13,10 @@ demo: $(READY)
 test: $(READY)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" --durations=15
 
 # The drills marked slow, which `make test` leaves out to stay under 20 minutes on 2 cores; a plain `pytest` runs
-# them too. Run them before changing labs or tests.
+# them too, and CI (.ci/run) runs them after `make test`. `make test` prints its 15 slowest tests: the candidates.
 test-slow: $(READY)
 	$(BIN)/python -m pytest -m slow
 
