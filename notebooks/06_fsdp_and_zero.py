@@ -22,6 +22,17 @@
 # through `common.launch.run_on_ranks` and `torchrun` subprocesses: nothing here is defined in the notebook and
 # run by a spawned process.
 
+# %%
+import datetime
+import os
+
+from common.reports import machine_summary
+
+# The date says which run these outputs are; the load says how much other jobs shared the CPU with it.
+load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+now = datetime.datetime.now(datetime.timezone.utc)
+print(f"{machine_summary()}; run {now:%Y-%m-%d %H:%M} UTC; load average {load}")
+
 # %% tags=["parameters"]
 import os
 
@@ -89,6 +100,9 @@ for world_size, ranks in measured.items():
             f"{rank0['optimizer'] / 1e6:9.2f} {rank0['total'] / 1e6:6.2f}          | {largest / 1e6:13.2f} "
             f"{predicted / 1e6:9.2f} | {rank0['after_forward'] / 1e6:13.2f}"
         )
+for world_size, ranks in measured.items():
+    shares = " / ".join(f"{rank['zero1']['optimizer'] / 1e6:.2f}" for rank in ranks)
+    print(f"zero1 with N = {world_size}: optimizer MB on ranks 0..{world_size - 1}: {shares}")
 
 # %% [markdown]
 # FSDP2 holds 1/N of everything, as stage 3 predicts, to within the rows that do not divide evenly. ZeRO-1 keeps

@@ -22,6 +22,17 @@
 # one bit for bit, and measure the bus bandwidth between the two "nodes". Every run goes through
 # `scripts/rehearse_two_nodes.py` as a subprocess, with a deadline.
 
+# %%
+import datetime
+import os
+
+from common.reports import machine_summary
+
+# The date says which run these outputs are; the load says how much other jobs shared the CPU with it.
+load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+now = datetime.datetime.now(datetime.timezone.utc)
+print(f"{machine_summary()}; run {now:%Y-%m-%d %H:%M} UTC; load average {load}")
+
 # %% tags=["parameters"]
 import os
 
