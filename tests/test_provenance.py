@@ -103,3 +103,18 @@ def test_record_heads_the_output_with_the_machine_the_date_the_load_and_the_comm
     assert output == "took 1.25 ms"
     with pytest.raises(provenance.ProvenanceError, match="failed"):
         provenance.record("demo", [PYTHON, "-c", "raise SystemExit(3)"], timeout=60)
+
+
+def test_the_list_of_unsourced_figures_only_shrinks(tmp_path, monkeypatch):
+    lesson = tmp_path / "99_demo.md"
+    lesson.write_text("It took 32.42 ms and 1.5 s.\n")
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps({"why": "demo", "lessons": {"99_demo.md": {"32.42": 1, "1.5": 1}}}))
+    monkeypatch.setattr(provenance, "LESSONS", [lesson])
+    monkeypatch.setattr(provenance, "STILL_UNSOURCED", listed)
+    monkeypatch.setattr(provenance, "sources", lambda: {"1.5"})
+    assert provenance.shrink_list() == 0
+    assert json.loads(listed.read_text())["lessons"] == {"99_demo.md": {"32.42": 1}}
+    lesson.write_text("It took 32.42 ms and 2.75 s.\n")  # a new figure with no source: refused, the list untouched
+    assert provenance.shrink_list() == 1
+    assert json.loads(listed.read_text())["lessons"] == {"99_demo.md": {"32.42": 1}}
