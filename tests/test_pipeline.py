@@ -12,6 +12,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from common.experiments.pipeline import (
+    deep_mlp_batch,
+    microbatch_bytes,
+    plot_timeline,
+    time_runs,
+    torch_pipelining_gradients,
+)
 from common.launch import run_on_ranks
 from common.models import DeepMLP
 from common.pipeline import (
@@ -126,35 +133,6 @@ def test_gpipe_holds_every_microbatch_and_1f1b_at_most_p_minus_rank(runs):
             assert peaks == [expected] * STEPS, f"{run}, rank {rank}"
 
 
-class LastStageAndLoss(nn.Module):
-    """The last stage's forward as a schedule runs it: its layers, then the loss (whose 1/m scaling saves nothing)."""
-
-    def __init__(self, stage: nn.Module, targets: torch.Tensor):
-        super().__init__()
-        self.stage, self.targets = stage, targets
-
-    def forward(self, X):
-        return F.cross_entropy(self.stage(X), self.targets)
-
-
-def one_microbatch_bytes(world_size: int, rows: int) -> list[dict]:
-    """Each stage's bytes for one micro-batch of ``rows`` rows, measured outside any schedule: what autograd saves
-    for its backward (``saved_activation_bytes``, the loss's included on the last stage), and the bytes of its input
-    and of its output, the sizes of the gradients it receives and sends back."""
-    layers = deep_mlp_layers(make_model())
-    X, y = whole_batch(0)
-    X, sizes = X[:rows], []
-    for rank in range(world_size):
-        stage = stage_module(layers, rank, world_size)
-        last = rank == world_size - 1
-        saved = saved_activation_bytes(LastStageAndLoss(stage, y[:rows]) if last else stage, X)
-        with torch.no_grad():
-            output = stage(X)
-        sizes.append({"saved": saved, "input": X.numel() * 4, "output": output.numel() * 4})
-        X = output
-    return sizes
-
-
 @pytest.mark.timeout(150)
 def test_the_measured_peak_is_m_microbatches_for_gpipe_and_p_minus_rank_for_1f1b(runs):
     """``peak_activation_bytes``, measured in the schedule (saved tensors and message buffers, each counted while
@@ -165,7 +143,7 @@ def test_the_measured_peak_is_m_microbatches_for_gpipe_and_p_minus_rank_for_1f1b
     world_size = len(runs)
     for run in runs[0]:
         schedule, m = run.split("/m=")
-        sizes = one_microbatch_bytes(world_size, BATCH // int(m))
+        sizes = microbatch_bytes(WIDTH, DEPTH, world_size, BATCH // int(m))
         for rank, results in enumerate(runs):
             held = {"naive": 1, "gpipe": int(m), "1f1b": min(int(m), world_size - rank)}[schedule]
             one = sizes[rank]
@@ -332,13 +310,11 @@ def test_a_batch_that_does_not_split_into_equal_microbatches_is_refused():
     assert record["peak_in_flight"] == 4
 
 
-# The notebook's helpers (common/pipeline.py's measuring functions, lesson 11's notebook).
+# The notebook's helpers (common/experiments/pipeline.py, lesson 11's notebook) and the measuring ones.
 
 
 @pytest.mark.timeout(90)
 def test_torch_pipelining_gpipe_on_the_same_stages_gives_the_gradients_of_one_process():
-    from common.pipeline import deep_mlp_batch, torch_pipelining_gradients
-
     width, depth, batch, num_microbatches = 32, 2, 16, 4
     ranks = run_on_ranks(torch_pipelining_gradients, 2, num_microbatches, width, depth, batch, timeout=60)
     torch.manual_seed(0)  # the seed the stages were built with
@@ -357,8 +333,6 @@ def test_torch_pipelining_gpipe_on_the_same_stages_gives_the_gradients_of_one_pr
 
 @pytest.mark.timeout(90)
 def test_time_runs_interleaves_every_run_and_records_each_step():
-    from common.pipeline import time_runs
-
     runs = [("naive", 1), ("gpipe", 2), ("1f1b", 4), ("ddp", 2)]
     ranks = run_on_ranks(time_runs, 2, runs, 16, 2, 8, 3, timeout=60)
     for rank, results in enumerate(ranks):
@@ -374,8 +348,6 @@ def test_time_runs_interleaves_every_run_and_records_each_step():
 
 
 def test_saved_activation_bytes_counts_each_saved_tensor_once_and_no_parameters():
-    from common.pipeline import saved_activation_bytes
-
     rows = 4
     # Linear saves its input (4 x 8) and its weight (a parameter: not counted); ReLU saves its output (4 x 16),
     # which the second Linear saves again as its input: counted once.
@@ -391,8 +363,6 @@ def test_plot_timeline_draws_a_labelled_box_per_event_in_its_stage_row():
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from common.pipeline import plot_timeline
 
     def event(kind, microbatch, start, end):
         return {"kind": kind, "microbatch": microbatch, "start": start, "end": end}
