@@ -81,7 +81,7 @@ def _data_parallel_model(width: int, depth: int) -> tuple:
 def time_runs(env, runs: list[tuple[str, int]], width: int, depth: int, batch: int, steps: int) -> dict:
     """A few timed SGD steps of DeepMLP (``width``, ``depth``, a batch of ``batch``) for each
     ``(schedule, num_microbatches)`` of ``runs``, on this rank: a dict by ``"schedule/m=M"`` of ``records`` (one per
-    step, see the module's docstring) and ``step_seconds`` (each step's wall time, from a barrier before it to a
+    step, as ``common.pipeline`` describes) and ``step_seconds`` (each step's wall time, from a barrier before it to a
     barrier after its optimizer step). The schedule ``"ddp"`` is the whole model under DDP on the same ranks, each
     on ``batch / world_size`` rows of the same batch (``step_seconds`` only, under the name ``"ddp"``). Run it with
     ``common.launch.run_on_ranks``; the first step warms up the allocator and the connections: leave it out.
@@ -171,7 +171,7 @@ def torch_pipelining_gradients(env, num_microbatches: int, width: int, depth: in
 
 
 def by_hand_gradients(env, num_microbatches: int, width: int, depth: int, batch: int) -> dict:
-    """The same step as ``torch_pipelining_gradients`` with this module's ``gpipe``: loss and gradients by name."""
+    """The same step as ``torch_pipelining_gradients`` with ``common.pipeline.gpipe``: loss and gradients by name."""
     stage = _deep_mlp_stage(env, width, depth, batch)
     X, y = deep_mlp_batch(batch, 0)
     loss, _ = gpipe(stage, num_microbatches, X if stage.is_first else None, y if stage.is_last else None)
