@@ -26,7 +26,9 @@
 #
 # All the timed runs share one process group and are interleaved (`time_runs`): round after round, one step of
 # each. Other work on the machine then slows one step of every run rather than every step of one, and the medians
-# over the rounds compare the runs fairly.
+# over the rounds compare the runs fairly. Fairly, not fast: on a machine whose load average (printed below) is
+# above its number of cores, other work shares the cores and every time is longer and noisier. The bytes of
+# section 3 do not depend on the load.
 
 # %% tags=["parameters"]
 import os
@@ -56,7 +58,9 @@ from common.pipeline import bubble_fraction_formula, deep_mlp_layers, measured_b
 
 STAGES = 2
 RUNS = [("naive", 1)] + [(schedule, m) for schedule in ("gpipe", "1f1b") for m in MICROBATCHES] + [("ddp", STAGES)]
+load_before = os.getloadavg()[0]
 timed = run_on_ranks(time_runs, STAGES, RUNS, WIDTH, DEPTH, BATCH, STEPS, timeout=600)  # a list: one dict per rank
+load_after = os.getloadavg()[0]
 
 
 def step_records(run: str, step: int) -> list[dict]:
@@ -85,6 +89,7 @@ def median_step_seconds(run: str) -> float:
 
 print(f"DeepMLP width {WIDTH}, depth {DEPTH} ({len(deep_mlp_layers(DeepMLP(width=WIDTH, depth=DEPTH)))} layers) ")
 print(f"in {STAGES} stages, a batch of {BATCH}; {STEPS} steps per run, the first left out of every median")
+print(f"load average (1 min): {load_before:.1f} before the timed runs, {load_after:.1f} after; {os.cpu_count()} cores")
 
 # %% [markdown]
 # ## 1. Each stage's timeline
@@ -141,11 +146,11 @@ plt.show()
 # input layer and the last the head and the loss, so one stage computes longer and the other waits for it; and
 # each micro-batch costs two messages and a few kernel launches whose time hardly depends on its size. As the
 # micro-batches shrink, their computation shrinks with them but that fixed cost does not, so the measured bubble
-# stops following the formula down and flattens; in the committed run the step itself gets longer again past
-# m = 4, the fixed costs of more micro-batches outweighing the smaller bubble. The formula's promise, more
-# micro-batches for a smaller bubble, holds only while each micro-batch still computes for much longer than its
-# messages take. The formula gives GPipe and 1F1B the same bubble; in the committed run GPipe's came out above
-# 1F1B's from m = 4 on, a measured difference that the formula's equal, free-messaging stages do not explain.
+# stops following the formula down and flattens; in the lesson's run (its section 5) the step itself got longer
+# again past m = 4, the fixed costs of more micro-batches outweighing the smaller bubble. The formula's promise,
+# more micro-batches for a smaller bubble, holds only while each micro-batch still computes for much longer than
+# its messages take. The formula gives GPipe and 1F1B the same bubble; in the lesson's run GPipe's came out above
+# 1F1B's from m = 2 on, a measured difference that the formula's equal, free-messaging stages do not explain.
 #
 # ## 3. The activations each stage holds
 #
