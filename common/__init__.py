@@ -12,6 +12,8 @@ What every script uses:
 - ``common.metrics``: exact distributed evaluation, a run's summary and its JSON file, timing.
 - ``common.reports``: what the measuring solutions write for people to read: tables, JSON and plots.
 - ``common.checkpoint``: atomic, rank-0-only checkpoints, loaded with ``weights_only``.
+- ``common.experiments``: what notebooks and benchmarks run around a lesson's mechanism (timing harnesses,
+  spawned experiments, plots), a module per lesson: ``common.experiments.pipeline`` (11).
 
 What a lesson builds or shows:
 
@@ -40,7 +42,7 @@ What a lesson builds or shows:
 - ``common.scaling`` (09): strong and weak scaling efficiency, the latency-bandwidth model of an all-reduce.
 - ``common.compression`` (10): DDP communication hooks by hand: all-reduce, bf16, PowerSGD with its state.
 - ``common.pipeline`` (11): pipeline parallelism by hand: a model cut into stages, activations and gradients as
-  point-to-point messages, the naive, GPipe and 1F1B schedules, and their bubble and in-flight activations.
+  point-to-point messages, the naive, GPipe and 1F1B schedules, and their bubble and activation memory, measured.
 - ``common.tensor_parallel`` (12): tensor parallelism by hand (Megatron-LM): the f and g autograd functions,
   column- and row-parallel linears, the MLP and self-attention split by heads, a transformer layer, torch's DTensor
   version, and the 2-D mesh of data-parallel replicas x tensor-parallel ranks.

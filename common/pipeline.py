@@ -16,7 +16,8 @@ order that work, each one optimizer step's forward and backward:
   DNN Training", https://arxiv.org/abs/2006.09503): the same work in another order. Stage ``r`` runs ``p - r - 1``
   warm-up forwards, then alternates one forward and one backward, then finishes the backwards left (cool-down). A
   micro-batch's activations are freed as soon as its backward has run, so stage ``r`` holds at most ``min(m, p -
-  r)`` micro-batches instead of ``m``; the bubble is the same as GPipe's.
+  r)`` micro-batches instead of ``m``; the bubble is the same as GPipe's. That takes waiting for each send before
+  its micro-batch's backward: a send's handle keeps the tensor it sends.
 
 All three compute the gradients of one process that trains on the whole batch with the whole model (up to float
 rounding: the sums run in another order): each
@@ -25,15 +26,17 @@ micro-batch's loss is scaled by ``1 / m``, so the accumulated gradients are thos
 
 Each schedule also returns what the lesson measures: a ``record`` of this rank's events in order (``"F"`` or
 ``"B"``, the micro-batch, when the computation started and ended), the peak number of micro-batches whose
-activations the stage held at once, and the messages it sent. ``measured_bubble_fraction`` turns the records of
-all ranks into the measured bubble. Records are plain dicts and lists, so that they travel back from
-``common.launch.run_on_ranks``.
+backward was pending at once, the peak bytes of activations the stage held (``ActivationMemory``: the tensors
+autograd saved and the message buffers still referenced), and the messages it sent. ``measured_bubble_fraction``
+turns the records of all ranks into the measured bubble. Records are plain dicts and lists, so that they travel
+back from ``common.launch.run_on_ranks``.
 
 ``torch.distributed.pipelining`` (``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``) does all of this for
 real; this module writes it out so that the order of the messages and the memory it costs can be seen.
 """
 
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -137,13 +140,91 @@ def _recv_shape(src: int) -> tuple[int, ...]:
     return tuple(shape.tolist())
 
 
+class ActivationMemory:
+    """The bytes of activations a stage holds, measured: what autograd saved for the backward, and message buffers.
+
+    A tensor is counted from the moment something takes hold of it until its holder is garbage (``hold``; the
+    holder is watched with ``weakref.finalize``), and each piece of memory once, by where its data starts, however
+    many hold it: a ReLU's output is saved by the ReLU and by the next Linear, and is also the activation the stage
+    sends; a flattened input is a view of the input. A tensor's own bytes are counted, not its storage's: a
+    micro-batch that is a slice of the batch holds its rows (the batch is the caller's). Parameters are left out.
+
+    Two kinds of holders: inside ``saving()``, every tensor autograd saves for the backward is packed into a
+    ``_Saved`` that the graph keeps until the backward has used it (``torch.autograd.graph.saved_tensors_hooks``);
+    and a message buffer is its own holder: ``hold(tensor, tensor)``. A tensor handed to ``dist.isend`` stays alive
+    as long as the send's handle does (gloo's send work keeps the tensor, even after ``wait()``, and a C++
+    reference keeps the Python tensor alive with it: c10/core/impl/PyObjectSlot.h), so a buffer is counted until
+    the last of the schedule, the graph and the send lets go of it. ``peak_bytes`` is the most held at once.
+    """
+
+    def __init__(self, parameters=()):
+        self.parameter_starts = {parameter.data_ptr() for parameter in parameters}
+        self.bytes_at: dict[int, int] = {}  # where a held tensor's data starts: its bytes (the largest view's)
+        self.holders_at: dict[int, int] = {}  # ...: how many holders are alive
+        self.held_bytes = 0
+        self.peak_bytes = 0
+
+    def hold(self, tensor: torch.Tensor, holder) -> None:
+        """Count ``tensor``'s bytes until ``holder`` (an object that keeps ``tensor`` alive) is garbage."""
+        start = tensor.data_ptr()
+        if start in self.parameter_starts:
+            return
+        size = tensor.numel() * tensor.element_size()
+        self.held_bytes += max(size - self.bytes_at.get(start, 0), 0)
+        self.bytes_at[start] = max(size, self.bytes_at.get(start, 0))
+        self.holders_at[start] = self.holders_at.get(start, 0) + 1
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        weakref.finalize(holder, self._release, start)
+
+    def _release(self, start: int) -> None:
+        self.holders_at[start] -= 1
+        if self.holders_at[start] == 0:
+            del self.holders_at[start]
+            self.held_bytes -= self.bytes_at.pop(start)
+
+    def saving(self):
+        """A context in which every tensor that autograd saves for the backward is held until the backward has
+        used it (or the graph is dropped)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _Saved.unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> "_Saved":
+        saved = _Saved(tensor)
+        self.hold(tensor, saved)
+        return saved
+
+
+class _Saved:
+    """A tensor saved for the backward, as the autograd graph keeps it: freed with the graph's saved tensors."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
+
+
+def saved_activation_bytes(module: nn.Module, inputs: torch.Tensor) -> int:
+    """The bytes of the tensors autograd saves for ``module``'s backward on ``inputs``: what one micro-batch in
+    flight holds on this stage (its received input included, which a Linear saves), parameters left out, each piece
+    of memory counted once (``ActivationMemory``)."""
+    memory = ActivationMemory(module.parameters())
+    with memory.saving():
+        output = module(inputs.detach().requires_grad_())
+    held = memory.held_bytes  # read while ``output`` keeps the graph, and with it the saved tensors, alive
+    del output
+    return held
+
+
 class _StepState:
     """What one schedule call keeps between its forwards and backwards on one rank.
 
     ``in_flight`` maps a micro-batch to what its backward needs: the input it received (whose ``.grad`` goes back to
     the previous stage) and its output (on the last stage, its scaled loss). Holding them is holding the
     micro-batch's activations, since the autograd graph from input to output keeps every intermediate tensor alive;
-    their number is what GPipe and 1F1B differ in, so it is counted here, at the one place it changes.
+    their number is what GPipe and 1F1B differ in, so it is counted here, at the one place it changes, and the
+    bytes they hold are measured by ``memory``.
     """
 
     def __init__(self, stage: Stage, num_microbatches: int, inputs, targets, loss_fn):
@@ -163,27 +244,41 @@ class _StepState:
         self.loss_fn = loss_fn
         self.in_flight: dict[int, tuple] = {}
         self.peak_in_flight = 0
+        self.memory = ActivationMemory(stage.module.parameters())
         self.events: list[dict] = []
-        self.sends: list = []  # the isend handles, waited for at the end of the step
+        self.pending_sends: dict[tuple[str, int], dist.Work] = {}  # (what, micro-batch): the isend's handle
         self.messages_sent = {"activations": 0, "gradients": 0}
         self.loss = torch.zeros((), device=stage.device) if stage.is_last else None
 
-    def send(self, tensor: torch.Tensor, dst: int, what: str) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, what: str, microbatch: int) -> None:
         # isend, not send: gloo's blocking send waits until the peer posts the matching recv (measured: a send
         # returns only when the receiver gets to it). In 1F1B's steady state stage r sends an activation forward
         # while stage r + 1 sends a gradient back; two blocking sends facing each other would wait forever.
         # Receives stay blocking: a stage cannot compute before its input is there.
-        self.sends.append(dist.isend(tensor, dst=dst))
+        self.memory.hold(tensor, tensor)
+        self.pending_sends[what, microbatch] = dist.isend(tensor, dst=dst)
         self.messages_sent[what] += 1
 
+    def wait_for_send(self, what: str, microbatch: int) -> None:
+        """Wait until a send has completed, and drop its handle. gloo's send work keeps the tensor it sends until
+        the handle goes, even after ``wait()``: a handle kept to the end of the step is a boundary tensor kept, m
+        of them in all, where 1F1B means to hold ``p - r`` micro-batches. The tensor must stay untouched until the
+        send completes."""
+        self.pending_sends.pop((what, microbatch)).wait()
+
+    def wait_for_sends(self, what: str) -> None:
+        for kind, microbatch in [key for key in self.pending_sends if key[0] == what]:
+            self.wait_for_send(kind, microbatch)
+
     def finish(self) -> tuple:
-        for work in self.sends:
-            work.wait()  # the tensors handed to isend must stay untouched until their sends complete
+        for what in ("activations", "gradients"):
+            self.wait_for_sends(what)
         record = {
             "rank": self.stage.rank,
             "num_microbatches": self.num_microbatches,
             "events": self.events,
             "peak_in_flight": self.peak_in_flight,
+            "peak_activation_bytes": self.memory.peak_bytes,
             "messages_sent": self.messages_sent,
         }
         return self.loss, record
@@ -204,20 +299,22 @@ def _forward(state: _StepState, microbatch: int) -> None:
     else:
         X = torch.empty(state.microbatch_shape_in, device=stage.device)
         dist.recv(X, src=stage.rank - 1)
+        state.memory.hold(X, X)
         X.requires_grad_()  # its gradient is what this stage sends back to the previous one
     _synchronize(stage.device)
     start = time.perf_counter()  # the event times computation only: waiting for a message is idle time
-    output = stage.module(X)
-    if stage.is_last:
-        # Each micro-batch's mean loss divided by m: the sum over micro-batches is the whole batch's mean loss, so
-        # the accumulated gradients are the whole batch's.
-        output = state.loss_fn(output, state.target_chunks[microbatch]) / state.num_microbatches
-        state.loss += output.detach()
+    with state.memory.saving():
+        output = stage.module(X)
+        if stage.is_last:
+            # Each micro-batch's mean loss divided by m: the sum over micro-batches is the whole batch's mean loss,
+            # so the accumulated gradients are the whole batch's.
+            output = state.loss_fn(output, state.target_chunks[microbatch]) / state.num_microbatches
+            state.loss += output.detach()
     _synchronize(stage.device)
     end = time.perf_counter()
     if not stage.is_last:
         # detach: the next stage gets the values; the graph to this output stays here, for the backward.
-        state.send(output.detach(), dst=stage.rank + 1, what="activations")
+        state.send(output.detach(), dst=stage.rank + 1, what="activations", microbatch=microbatch)
     state.in_flight[microbatch] = (X, output)
     state.peak_in_flight = max(state.peak_in_flight, len(state.in_flight))
     state.events.append({"kind": FORWARD, "microbatch": microbatch, "start": start, "end": end})
@@ -231,15 +328,23 @@ def _backward(state: _StepState, microbatch: int) -> None:
     if stage.is_last:
         output_grad = None  # output is the scaled loss, a scalar: backward starts from 1
     else:
+        # The next stage must receive this micro-batch's activations before their gradient can come back, so
+        # waiting for that send here adds no dependency; it drops the send's hold on them before the backward frees
+        # the rest (torch's Schedule1F1B waits for it at the same point, fused with the gradient's receive).
+        state.wait_for_send("activations", microbatch)
         output_grad = torch.empty(state.microbatch_shape_out, device=stage.device)
         dist.recv(output_grad, src=stage.rank + 1)
+        state.memory.hold(output_grad, output_grad)
     _synchronize(stage.device)
     start = time.perf_counter()
     torch.autograd.backward(output, grad_tensors=output_grad)
     _synchronize(stage.device)
     end = time.perf_counter()
     if not stage.is_first:
-        state.send(X.grad, dst=stage.rank - 1, what="gradients")
+        # One gradient send pending at a time: the previous one had this backward's computation to complete
+        # (torch's Schedule1F1B waits for it at the same point).
+        state.wait_for_sends("gradients")
+        state.send(X.grad, dst=stage.rank - 1, what="gradients", microbatch=microbatch)
     state.events.append({"kind": BACKWARD, "microbatch": microbatch, "start": start, "end": end})
 
 
@@ -339,179 +444,3 @@ def measured_bubble_fraction(records: list[dict]) -> float:
     span = max(event["end"] for event in events) - min(event["start"] for event in events)
     idle = [1 - sum(event["end"] - event["start"] for event in record["events"]) / span for record in records]
     return sum(idle) / len(idle)
-
-
-# What lesson 11's notebook measures: a few timed steps of DeepMLP under each schedule, against DDP on the same
-# processes, the activations a stage keeps for its backward, torch's own pipelining, and the records as a timeline.
-
-
-def _deep_mlp_stage(env, width: int, depth: int, batch: int) -> Stage:
-    """This rank's stage of ``DeepMLP(width=width, depth=depth)``, built with seed 0 on every rank."""
-    from common.models import DeepMLP
-
-    torch.manual_seed(0)
-    layers = deep_mlp_layers(DeepMLP(width=width, depth=depth))
-    return Stage(stage_module(layers, env.rank, env.world_size), env.rank, env.world_size, DeepMLP.input_shape, batch)
-
-
-def deep_mlp_batch(batch: int, step: int):
-    """Step ``step``'s batch of random DeepMLP inputs and 10-class targets: the same in every process."""
-    from common.models import DeepMLP
-
-    generator = torch.Generator().manual_seed(step)
-    X = torch.randn(batch, *DeepMLP.input_shape, generator=generator)
-    return X, torch.randint(0, 10, (batch,), generator=generator)
-
-
-def _timed_pipeline_step(stage: Stage, optimizer, schedule: str, num_microbatches: int, step: int) -> tuple:
-    """One SGD step of ``stage`` under ``schedule`` on step ``step``'s batch: ``(record, seconds)``, the seconds
-    from a barrier before the step to a barrier after it, so that every rank's time covers the whole pipeline's."""
-    X, y = deep_mlp_batch(stage.batch_size, step)
-    inputs, targets = (X if stage.is_first else None), (y if stage.is_last else None)
-    dist.barrier()
-    start = time.perf_counter()
-    optimizer.zero_grad(set_to_none=True)
-    if schedule == "naive":
-        _, record = naive(stage, inputs, targets)
-    else:
-        _, record = SCHEDULES[schedule](stage, num_microbatches, inputs, targets)
-    optimizer.step()
-    dist.barrier()
-    return record, time.perf_counter() - start
-
-
-def _timed_data_parallel_step(env, model, optimizer, batch: int, step: int) -> float:
-    """One SGD step of the DDP-wrapped ``model`` on this rank's share of step ``step``'s batch: its seconds, timed
-    as ``_timed_pipeline_step``'s."""
-    X, y = deep_mlp_batch(batch, step)
-    X, y = X.chunk(env.world_size)[env.rank], y.chunk(env.world_size)[env.rank]
-    dist.barrier()
-    start = time.perf_counter()
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(model(X), y).backward()  # DDP all-reduces the gradients during the backward
-    optimizer.step()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
-def _data_parallel_model(width: int, depth: int) -> tuple:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from common.models import DeepMLP
-
-    torch.manual_seed(0)
-    model = DistributedDataParallel(DeepMLP(width=width, depth=depth))
-    return model, torch.optim.SGD(model.parameters(), lr=0.01)
-
-
-def time_runs(env, runs: list[tuple[str, int]], width: int, depth: int, batch: int, steps: int) -> dict:
-    """A few timed SGD steps of DeepMLP (``width``, ``depth``, a batch of ``batch``) for each
-    ``(schedule, num_microbatches)`` of ``runs``, on this rank: a dict by ``"schedule/m=M"`` of ``records`` (one per
-    step, see the module's docstring) and ``step_seconds`` (each step's wall time, from a barrier before it to a
-    barrier after its optimizer step). The schedule ``"ddp"`` is the whole model under DDP on the same ranks, each
-    on ``batch / world_size`` rows of the same batch (``step_seconds`` only, under the name ``"ddp"``). Run it with
-    ``common.launch.run_on_ranks``; the first step warms up the allocator and the connections: leave it out.
-
-    The runs are interleaved: ``steps`` rounds of one step of each run, on one stage (and one DDP model) that
-    they share. On a machine that other work also loads, a slow moment then slows one step of every run rather
-    than every step of one, and the medians over steps compare the runs fairly.
-    """
-    stage = _deep_mlp_stage(env, width, depth, batch)
-    optimizer = torch.optim.SGD(stage.module.parameters(), lr=0.01)
-    names = ["ddp" if schedule == "ddp" else f"{schedule}/m={m}" for schedule, m in runs]
-    results = {name: {"step_seconds": []} if name == "ddp" else {"records": [], "step_seconds": []} for name in names}
-    model, ddp_optimizer = _data_parallel_model(width, depth) if "ddp" in names else (None, None)
-    for step in range(steps):
-        for name, (schedule, num_microbatches) in zip(names, runs):
-            if schedule == "ddp":
-                results[name]["step_seconds"].append(_timed_data_parallel_step(env, model, ddp_optimizer, batch, step))
-            else:
-                record, seconds = _timed_pipeline_step(stage, optimizer, schedule, num_microbatches, step)
-                results[name]["records"].append(record)
-                results[name]["step_seconds"].append(seconds)
-    return results
-
-
-def saved_activation_bytes(module: nn.Module, inputs: torch.Tensor) -> int:
-    """The bytes of the tensors autograd saves for ``module``'s backward on ``inputs``: what one micro-batch in
-    flight holds on this stage (its received input included, which a Linear saves), parameters left out.
-
-    Measured with ``torch.autograd.graph.saved_tensors_hooks``; a tensor saved twice, or saved once and again as
-    a view (a ReLU's output is saved by the ReLU and by the next Linear; a flattened input is a view of the input),
-    is counted once, by where its data starts. A tensor's own bytes are counted, not its storage's: a micro-batch
-    that is a slice of the batch holds only its rows.
-    """
-    parameters = {p.data_ptr() for p in module.parameters()}
-    saved: dict[int, int] = {}  # where a saved tensor's data starts: its bytes (the largest view's)
-
-    def pack(tensor):
-        if tensor.data_ptr() not in parameters:
-            saved[tensor.data_ptr()] = max(saved.get(tensor.data_ptr(), 0), tensor.numel() * tensor.element_size())
-        return tensor
-
-    inputs = inputs.detach().requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        module(inputs)
-    return sum(saved.values())
-
-
-def torch_pipelining_gradients(env, num_microbatches: int, width: int, depth: int, batch: int) -> dict:
-    """One step of ``torch.distributed.pipelining``'s ``ScheduleGPipe`` on the stages ``stage_module`` cuts: this
-    rank's loss (the last rank's; ``None`` elsewhere) and gradients, by parameter name.
-
-    The ``PipelineStage`` is built by hand from this rank's ``nn.Sequential`` and one micro-batch's input shape
-    (torch then learns the shapes it receives, as ``Stage`` does). The first rank feeds the batch, the last the
-    targets; the schedule splits both into micro-batches and, with ``scale_grads``, divides the gradients by their
-    number: the whole batch's mean loss, as ``gpipe`` computes.
-    """
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-    stage = _deep_mlp_stage(env, width, depth, batch)
-    rows = stage.microbatch_size(num_microbatches)
-    pipe_stage = PipelineStage(
-        stage.module,
-        env.rank,
-        env.world_size,
-        torch.device("cpu"),
-        input_args=torch.empty(rows, *stage.input_sample_shape),
-    )
-    schedule = ScheduleGPipe(pipe_stage, num_microbatches, loss_fn=F.cross_entropy)
-    X, y = deep_mlp_batch(batch, 0)
-    losses = []
-    if stage.is_first:
-        schedule.step(X)
-    elif stage.is_last:
-        schedule.step(target=y, losses=losses)
-    else:
-        schedule.step()
-    loss = torch.stack(losses).mean().detach() if stage.is_last else None
-    gradients = {name: p.grad.clone() for name, p in stage.module.named_parameters()}
-    return {"loss": loss, "gradients": gradients}
-
-
-def by_hand_gradients(env, num_microbatches: int, width: int, depth: int, batch: int) -> dict:
-    """The same step as ``torch_pipelining_gradients`` with this module's ``gpipe``: loss and gradients by name."""
-    stage = _deep_mlp_stage(env, width, depth, batch)
-    X, y = deep_mlp_batch(batch, 0)
-    loss, _ = gpipe(stage, num_microbatches, X if stage.is_first else None, y if stage.is_last else None)
-    gradients = {name: p.grad.clone() for name, p in stage.module.named_parameters()}
-    return {"loss": loss, "gradients": gradients}
-
-
-def plot_timeline(records: list[dict], ax, title: str = "") -> None:
-    """One step's timeline on matplotlib's ``ax``: a row per stage (stage 0 on top), a box per event from its start
-    to its end, forwards light and backwards dark, labelled with the micro-batch. Times in milliseconds from the
-    step's first event; the white between the boxes is the bubble (and the messages)."""
-    origin = min(event["start"] for record in records for event in record["events"])
-    colours = {FORWARD: "#9ecae1", BACKWARD: "#3182bd"}
-    for record in records:
-        row = record["rank"]
-        for event in record["events"]:
-            start, width = (event["start"] - origin) * 1e3, (event["end"] - event["start"]) * 1e3
-            ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=colours[event["kind"]], edgecolor="black")
-            label = f"{event['kind']}{event['microbatch']}"
-            ax.text(start + width / 2, row, label, ha="center", va="center", fontsize=7, clip_on=True)
-    ax.set_yticks(range(len(records)), [f"stage {record['rank']}" for record in records])
-    ax.set_ylim(len(records) - 0.5, -0.5)
-    ax.set_xlabel("ms since the step's first event")
-    ax.set_title(title)

@@ -22,11 +22,13 @@
 # throughput against data parallelism on the same two processes, and torch's own `torch.distributed.pipelining`
 # computing the same gradients. Every figure is measured on the machine that ran the notebook (the committed
 # outputs: 2 CPU cores, one process per core, gloo); the processes are started by `common.launch.run_on_ranks`,
-# which needs the functions it runs in a module, so they are in `common/pipeline.py`.
+# which needs the functions it runs in a module, so they are in `common/experiments/pipeline.py`.
 #
 # All the timed runs share one process group and are interleaved (`time_runs`): round after round, one step of
 # each. Other work on the machine then slows one step of every run rather than every step of one, and the medians
-# over the rounds compare the runs fairly.
+# over the rounds compare the runs fairly. Fairly, not fast: on a machine whose load average (printed below) is
+# above its number of cores, other work shares the cores and every time is longer and noisier. The bytes of
+# section 3 do not depend on the load.
 
 # %% tags=["parameters"]
 import os
@@ -42,25 +44,23 @@ MICROBATCHES = [1, 2, 4, 8, 16]
 import statistics
 
 import matplotlib.pyplot as plt
-import torch
 
-from common.launch import run_on_ranks
-from common.models import DeepMLP
-from common.pipeline import (
-    bubble_fraction_formula,
+from common.experiments.pipeline import (
     by_hand_gradients,
-    deep_mlp_layers,
-    measured_bubble_fraction,
+    microbatch_bytes,
     plot_timeline,
-    saved_activation_bytes,
-    stage_module,
     time_runs,
     torch_pipelining_gradients,
 )
+from common.launch import run_on_ranks
+from common.models import DeepMLP
+from common.pipeline import bubble_fraction_formula, deep_mlp_layers, measured_bubble_fraction
 
 STAGES = 2
 RUNS = [("naive", 1)] + [(schedule, m) for schedule in ("gpipe", "1f1b") for m in MICROBATCHES] + [("ddp", STAGES)]
+load_before = os.getloadavg()[0]
 timed = run_on_ranks(time_runs, STAGES, RUNS, WIDTH, DEPTH, BATCH, STEPS, timeout=600)  # a list: one dict per rank
+load_after = os.getloadavg()[0]
 
 
 def step_records(run: str, step: int) -> list[dict]:
@@ -89,6 +89,7 @@ def median_step_seconds(run: str) -> float:
 
 print(f"DeepMLP width {WIDTH}, depth {DEPTH} ({len(deep_mlp_layers(DeepMLP(width=WIDTH, depth=DEPTH)))} layers) ")
 print(f"in {STAGES} stages, a batch of {BATCH}; {STEPS} steps per run, the first left out of every median")
+print(f"load average (1 min): {load_before:.1f} before the timed runs, {load_after:.1f} after; {os.cpu_count()} cores")
 
 # %% [markdown]
 # ## 1. Each stage's timeline
@@ -145,50 +146,41 @@ plt.show()
 # input layer and the last the head and the loss, so one stage computes longer and the other waits for it; and
 # each micro-batch costs two messages and a few kernel launches whose time hardly depends on its size. As the
 # micro-batches shrink, their computation shrinks with them but that fixed cost does not, so the measured bubble
-# stops following the formula down and flattens; in the committed run the step itself gets longer again past
-# m = 4, the fixed costs of more micro-batches outweighing the smaller bubble. The formula's promise, more
-# micro-batches for a smaller bubble, holds only while each micro-batch still computes for much longer than its
-# messages take. The formula gives GPipe and 1F1B the same bubble; in the committed run GPipe's came out above
-# 1F1B's from m = 4 on, a measured difference that the formula's equal, free-messaging stages do not explain.
+# stops following the formula down and flattens; in the lesson's run (its section 5) the step itself got longer
+# again past m = 4, the fixed costs of more micro-batches outweighing the smaller bubble. The formula's promise,
+# more micro-batches for a smaller bubble, holds only while each micro-batch still computes for much longer than
+# its messages take. The formula gives GPipe and 1F1B the same bubble; in the lesson's run GPipe's came out above
+# 1F1B's from m = 2 on, a measured difference that the formula's equal, free-messaging stages do not explain.
 #
 # ## 3. The activations each stage holds
 #
 # A micro-batch's activations stay alive from its forward to its backward. GPipe runs every forward before any
-# backward, so each stage holds all m; 1F1B holds at most `min(m, p - rank)`. The records count them
-# (`peak_in_flight`). The bytes of one micro-batch's activations on each stage are measured by
-# `saved_activation_bytes` (what autograd saves for the stage's backward, its received input included); the
-# peak is that times the micro-batches held.
+# backward, so each stage holds all m; 1F1B holds at most `min(m, p - rank)`. Each schedule measures the bytes a
+# stage holds at its peak (`peak_activation_bytes`, `common.pipeline.ActivationMemory`): the tensors autograd saved
+# for the backward, counted from when they are saved until the backward frees them, plus the message buffers
+# still referenced (received inputs and gradients, and sent tensors whose send's handle is still kept), each
+# piece of memory once. Dividing by one micro-batch's saved bytes, measured apart (`microbatch_bytes`), gives the
+# micro-batches that peak amounts to.
 
 # %%
-layers = deep_mlp_layers(DeepMLP(width=WIDTH, depth=DEPTH))
-stages = [stage_module(layers, rank, STAGES) for rank in range(STAGES)]
-
-
-def bytes_per_microbatch(rows: int) -> list[int]:
-    """Each stage's saved activations for one micro-batch of ``rows`` rows, feeding each stage its real input."""
-    X, sizes = torch.randn(rows, *DeepMLP.input_shape), []
-    for stage in stages:
-        sizes.append(saved_activation_bytes(stage, X))
-        with torch.no_grad():
-            X = stage(X)
-    return sizes
-
-
-print(f"{'m':>3}  {'held GPipe':>10} {'held 1F1B':>10}   {'peak MiB GPipe':>16} {'peak MiB 1F1B':>16}   (stage 0, 1)")
+print("each figure: stage 0, stage 1")
+print(f"{'m':>3}  {'peak MiB GPipe':>16} {'peak MiB 1F1B':>16}   {'micro-batches GPipe':>19} {'1F1B':>11}")
 for m in MICROBATCHES:
-    sizes = bytes_per_microbatch(BATCH // m)
-    held = {
-        schedule: [timed[rank][f"{schedule}/m={m}"]["records"][-1]["peak_in_flight"] for rank in range(STAGES)]
+    one = [stage["saved"] for stage in microbatch_bytes(WIDTH, DEPTH, STAGES, BATCH // m)]
+    peaks = {
+        schedule: [timed[rank][f"{schedule}/m={m}"]["records"][-1]["peak_activation_bytes"] for rank in range(STAGES)]
         for schedule in ("gpipe", "1f1b")
     }
-    peak = {schedule: [f"{n * size / 2**20:.2f}" for n, size in zip(held[schedule], sizes)] for schedule in held}
-    held_cells = f"{str(held['gpipe']):>10} {str(held['1f1b']):>10}"
-    print(f"{m:>3}  {held_cells}   {', '.join(peak['gpipe']):>16} {', '.join(peak['1f1b']):>16}")
+    mib = {schedule: ", ".join(f"{peak / 2**20:.2f}" for peak in peaks[schedule]) for schedule in peaks}
+    held = {schedule: ", ".join(f"{peak / size:.2f}" for peak, size in zip(peaks[schedule], one)) for schedule in peaks}
+    print(f"{m:>3}  {mib['gpipe']:>16} {mib['1f1b']:>16}   {held['gpipe']:>19} {held['1f1b']:>11}")
 
 # %% [markdown]
 # GPipe's peak does not fall as m grows: m micro-batches of `batch / m` rows are the whole batch's activations,
 # whatever m. 1F1B's falls as `1/m` once m passes the number of stages: stage 0 holds 2 micro-batches, stage 1
-# one. That is why 1F1B is the schedule pipelines use: the same bubble as GPipe, for the memory of `p`
+# one. The measured peaks sit a little above whole micro-batches: at its peak a stage also holds the gradient it
+# received for the backward under way (stage 0) or its input's gradient, whose send is still pending (stage 1).
+# That is why 1F1B is the schedule pipelines use: the same bubble as GPipe, for the memory of `p`
 # micro-batches instead of `m`, so m can grow to shrink the bubble without running out of memory.
 #
 # ## 4. Throughput: pipeline against data parallelism on the same two processes

@@ -8,18 +8,28 @@ messages sent, and a timeline whose causality the shared clock must show.
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from common.experiments.pipeline import (
+    deep_mlp_batch,
+    microbatch_bytes,
+    plot_timeline,
+    time_runs,
+    torch_pipelining_gradients,
+)
 from common.launch import run_on_ranks
 from common.models import DeepMLP
 from common.pipeline import (
     SCHEDULES,
+    ActivationMemory,
     Stage,
     bubble_fraction_formula,
     deep_mlp_layers,
     gpipe,
     measured_bubble_fraction,
+    saved_activation_bytes,
     stage_bounds,
     stage_module,
 )
@@ -121,6 +131,74 @@ def test_gpipe_holds_every_microbatch_and_1f1b_at_most_p_minus_rank(runs):
             expected = {"naive": 1, "gpipe": int(m), "1f1b": min(int(m), world_size - rank)}[schedule]
             peaks = [record["peak_in_flight"] for record in result["records"]]
             assert peaks == [expected] * STEPS, f"{run}, rank {rank}"
+
+
+@pytest.mark.timeout(150)
+def test_the_measured_peak_is_m_microbatches_for_gpipe_and_p_minus_rank_for_1f1b(runs):
+    """``peak_activation_bytes``, measured in the schedule (saved tensors and message buffers, each counted while
+    something holds it), against one micro-batch's saved bytes measured apart: about the micro-batches held. On
+    top of them a stage may hold one gradient each way at its peak: the one it received for the backward under way
+    (not on the last stage) and its input's gradient, whose send is pending until the next backward (not on stage
+    0). Boundary tensors kept after their backward, by handles of sends left waiting, go over that margin."""
+    world_size = len(runs)
+    for run in runs[0]:
+        schedule, m = run.split("/m=")
+        sizes = microbatch_bytes(WIDTH, DEPTH, world_size, BATCH // int(m))
+        for rank, results in enumerate(runs):
+            held = {"naive": 1, "gpipe": int(m), "1f1b": min(int(m), world_size - rank)}[schedule]
+            one = sizes[rank]
+            gradients = (0 if rank == 0 else one["input"]) + (0 if rank == world_size - 1 else one["output"])
+            for record in results[run]["records"]:
+                peak = record["peak_activation_bytes"]
+                microbatches = f"{peak / one['saved']:.2f} micro-batches, expected {held}"
+                assert held * one["saved"] <= peak <= held * one["saved"] + gradients, (
+                    f"{run}, rank {rank}: {microbatches}"
+                )
+
+
+def test_activation_memory_holds_saved_tensors_once_until_the_backward_frees_them():
+    rows = 4
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    memory = ActivationMemory(module.parameters())
+    X = torch.randn(rows, 8)
+    with memory.saving():
+        loss = module(X).sum()
+    # The input (4 x 8) and the ReLU's output (4 x 16, saved by the ReLU and by the second Linear: once); the
+    # weights, saved by the Linears, are parameters.
+    assert memory.held_bytes == memory.peak_bytes == (rows * 8 + rows * 16) * 4
+    received = torch.randn(rows, 16)
+    memory.hold(received, received)  # a message buffer: held while the tensor lives
+    assert memory.held_bytes == (rows * 8 + 2 * rows * 16) * 4
+    loss.backward()  # frees the saved tensors
+    assert memory.held_bytes == rows * 16 * 4
+    del received
+    assert memory.held_bytes == 0 and memory.peak_bytes == (rows * 8 + 2 * rows * 16) * 4
+
+
+def send_and_watch(env) -> list[int]:
+    """Rank 0 isends a tensor, held by an ``ActivationMemory``, and drops its own reference: the bytes held after
+    that, after ``wait()``, and after the handle is dropped. Rank 1 receives it."""
+    if env.rank == 1:
+        dist.recv(torch.empty(256), src=0)
+        return []
+    memory = ActivationMemory()
+    tensor = torch.randn(256)
+    memory.hold(tensor, tensor)
+    work = dist.isend(tensor, dst=1)
+    del tensor
+    held = [memory.held_bytes]
+    work.wait()
+    held.append(memory.held_bytes)
+    del work
+    return [*held, memory.held_bytes]
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_handed_to_isend_is_held_until_the_sends_handle_is_dropped():
+    """What makes a send's handle kept to the end of the step cost memory, and ``ActivationMemory`` see it: gloo's
+    send work keeps the tensor, even after ``wait()``."""
+    held = run_on_ranks(send_and_watch, 2, timeout=45)[0]
+    assert held == [256 * 4, 256 * 4, 0]
 
 
 def expected_one_f_one_b(world_size: int, rank: int) -> list[str]:
@@ -232,13 +310,11 @@ def test_a_batch_that_does_not_split_into_equal_microbatches_is_refused():
     assert record["peak_in_flight"] == 4
 
 
-# The notebook's helpers (common/pipeline.py's measuring functions, lesson 11's notebook).
+# The notebook's helpers (common/experiments/pipeline.py, lesson 11's notebook) and the measuring ones.
 
 
 @pytest.mark.timeout(90)
 def test_torch_pipelining_gpipe_on_the_same_stages_gives_the_gradients_of_one_process():
-    from common.pipeline import deep_mlp_batch, torch_pipelining_gradients
-
     width, depth, batch, num_microbatches = 32, 2, 16, 4
     ranks = run_on_ranks(torch_pipelining_gradients, 2, num_microbatches, width, depth, batch, timeout=60)
     torch.manual_seed(0)  # the seed the stages were built with
@@ -257,8 +333,6 @@ def test_torch_pipelining_gpipe_on_the_same_stages_gives_the_gradients_of_one_pr
 
 @pytest.mark.timeout(90)
 def test_time_runs_interleaves_every_run_and_records_each_step():
-    from common.pipeline import time_runs
-
     runs = [("naive", 1), ("gpipe", 2), ("1f1b", 4), ("ddp", 2)]
     ranks = run_on_ranks(time_runs, 2, runs, 16, 2, 8, 3, timeout=60)
     for rank, results in enumerate(ranks):
@@ -274,8 +348,6 @@ def test_time_runs_interleaves_every_run_and_records_each_step():
 
 
 def test_saved_activation_bytes_counts_each_saved_tensor_once_and_no_parameters():
-    from common.pipeline import saved_activation_bytes
-
     rows = 4
     # Linear saves its input (4 x 8) and its weight (a parameter: not counted); ReLU saves its output (4 x 16),
     # which the second Linear saves again as its input: counted once.
@@ -291,8 +363,6 @@ def test_plot_timeline_draws_a_labelled_box_per_event_in_its_stage_row():
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from common.pipeline import plot_timeline
 
     def event(kind, microbatch, start, end):
         return {"kind": kind, "microbatch": microbatch, "start": start, "end": end}
