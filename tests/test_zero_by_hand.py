@@ -385,6 +385,57 @@ def test_partition_by_size_gives_the_shares_of_zero_redundancy_optimizer(runs, w
     assert shares == runs[world_size][0]["torch_shares"]
 
 
+def parameter_groups():
+    """Parameter groups on which sorting within a group and sorting across groups disagree: the issue's two groups,
+    DeepMLP's weights and biases (weight decay's usual split), and DeepMLP cut into three groups."""
+    tensors = [torch.empty(n) for n in (10, 100, 100)]
+    parameters = list(DeepMLP(width=64, depth=3).parameters())
+    return {
+        "one_small_then_two_equal": [[tensors[0]], tensors[1:]],
+        "weights_then_biases": [[p for p in parameters if p.dim() > 1], [p for p in parameters if p.dim() == 1]],
+        "three_groups": [parameters[:3], parameters[3:7], parameters[7:]],
+    }
+
+
+def partitions_against_torch(env):
+    """Per set of groups: ZeroRedundancyOptimizer's partition, partition_by_size's, and ZeRO1Optimizer's owners,
+    as indices into the groups laid end to end."""
+    results = {}
+    for name, groups in parameter_groups().items():
+        index = {p: i for i, p in enumerate(p for group in groups for p in group)}
+        param_groups = [{"params": [nn.Parameter(p) for p in group]} for group in groups]
+        as_parameters = {p: index[original] for group, pg in zip(groups, param_groups)
+                         for original, p in zip(group, pg["params"])}  # fmt: skip
+        torch_optimizer = ZeroRedundancyOptimizer(param_groups, torch.optim.SGD, lr=0.1)
+        results[f"{name}_torch"] = [
+            sorted(as_parameters[p] for group in rank_groups for p in group["params"])
+            for rank_groups in torch_optimizer._partition_parameters()
+        ]
+        results[f"{name}_course"] = partition_by_size(groups, env.world_size)
+        ours = ZeRO1Optimizer([{"params": pg["params"]} for pg in param_groups], torch.optim.SGD, lr=0.1)
+        results[f"{name}_owners"] = [sorted(as_parameters[p] for p, owner in ours.owner.items() if owner == rank)
+                                     for rank in range(env.world_size)]  # fmt: skip
+    return results
+
+
+@pytest.fixture(scope="module")
+def partitions():
+    return {world_size: run_on_ranks(partitions_against_torch, world_size, timeout=60) for world_size in (2, 4)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("groups", ["one_small_then_two_equal", "weights_then_biases", "three_groups"])
+def test_partition_by_size_with_several_groups_gives_the_shares_of_zero_redundancy_optimizer(
+    partitions, world_size, groups
+):
+    for rank in partitions[world_size]:
+        assert rank[f"{groups}_course"] == rank[f"{groups}_torch"]
+        assert rank[f"{groups}_owners"] == rank[f"{groups}_torch"], "ZeRO1Optimizer steps the same shares"
+    if world_size == 2 and groups == "one_small_then_two_equal":  # the issue's example, in words
+        assert partitions[2][0][f"{groups}_torch"] == [[0, 2], [1]]
+
+
 def test_a_parameter_shared_by_two_units_is_a_value_error_that_names_it(monkeypatch):
     monkeypatch.setattr("torch.distributed.is_initialized", lambda: True)
     monkeypatch.setattr("torch.distributed.get_world_size", lambda: 1)
