@@ -9,8 +9,11 @@ class here builds one stage from the plain collectives, so that lesson 08 can ch
 - ``partition_by_size``: whole tensors shared out among ranks, balanced by size (ZeRO-1's rule).
 - ``ZeRO1Optimizer`` (stage 1): wraps any ``torch.optim`` class; each rank keeps the optimizer state of its share
   of the parameters, steps its share, and broadcasts the updated values. Used after DDP has averaged gradients.
-- ``ZeRO2Optimizer`` (stage 2): no DDP; the gradients are reduce-scattered, so a rank keeps only its 1/N of the
-  averaged gradients, steps its 1/N of one flat, padded parameter buffer, and all-gathers the result.
+- ``ZeRO2Optimizer`` (stage 2): no DDP; the parameters live in flat, padded buckets; during backward each complete
+  bucket of gradients is reduce-scattered and freed, so a rank keeps only its 1/N of the averaged gradients; it
+  steps its 1/N of every bucket and all-gathers the result: DDP's bytes, as one reduce-scatter and one all-gather.
+- ``FlatZeRO1Optimizer`` (stage 1 as in the paper and DeepSpeed): the same buckets and traffic, but the whole
+  gradients are kept through backward and reduce-scattered in ``step``.
 - ``ZeRO3Model`` (stage 3, fully sharded): a rank keeps 1/N of every unit's parameters; a unit is all-gathered
   just before it computes and freed after; gradients are reduce-scattered to their owners.
 - ``gather_full_parameters``: ZeRO-3's whole parameters by name, for checking and saving.
@@ -29,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common.collectives import all_gather_into, reduce_scatter_into
-from common.ddp_by_hand import broadcast_parameters_and_buffers, require_process_group
+from common.ddp_by_hand import assign_buckets, broadcast_parameters_and_buffers, require_process_group
 
 
 def partition_by_size(parameters, world_size: int) -> list[list[int]]:
@@ -166,74 +169,171 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         optimizer = ZeRO2Optimizer(model, torch.optim.Adam, lr=1e-3)   # no DDP around the model
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-    At construction rank 0's parameters and buffers are broadcast, and the module's trainable parameters become
-    views into one flat buffer, padded to a multiple of N and cut into N equal contiguous pieces: rank r's piece,
-    ``self.shard``, is the parameter the local optimizer (``self.optim``) steps, in place, so it costs no copy.
-    ``step`` flattens the gradients (freeing each ``.grad`` as it goes), reduce-scatters them with one collective, so
-    each rank receives the sum of its piece only, divides by N, steps its piece, and all-gathers the updated pieces
-    into the flat buffer, which every parameter views: one reduce-scatter of all gradient bytes and one all-gather of
-    all parameter bytes per step, where DDP's all-reduce costs both (an all-reduce is a reduce-scatter followed by an
-    all-gather). DeepSpeed starts the reduce-scatters bucket by bucket during backward; here the whole gradient
-    exists until ``step``, which is simpler and has the same traffic but a higher peak.
+    At construction rank 0's parameters and buffers are broadcast, and the trainable parameters are cut into buckets
+    of about ``bucket_cap_mb`` MiB by DDP's rule (``assign_buckets``: reverse order, the order backward produces
+    them). Each bucket's parameters become views into one flat buffer, padded to a multiple of N and cut into N equal
+    contiguous pieces (``FlatShard``); rank r's piece of each bucket (``self.pieces``) is what the local optimizer
+    (``self.optim``) steps, in place, so stepping writes the module's parameters.
+
+    During backward, a post-accumulate-grad hook copies each gradient into its bucket's flat gradient buffer (made when
+    the bucket's first gradient arrives) and frees the ``.grad`` at once; as soon as a bucket is complete, and the
+    buckets before it have started, it is reduce-scattered asynchronously: each rank receives the sum of its piece,
+    divides it by N and adds it to its piece's ``.grad``, and the bucket's flat gradient is freed when the next bucket
+    starts (one bucket in the air at a time). So a rank holds its 1/N of the gradients, plus the one or two buckets on
+    their way, never the whole gradient, as DeepSpeed's stage 2, which also reduces its gradient buckets during
+    backward, each rank keeping the slices it owns. (On gloo the measured peak also holds the copy that gloo's
+    reduce-scatter makes of the bucket it sends: one bucket more.) At the end of each backward (an autograd engine
+    callback) the buckets that did not complete are sent, with zeros for the missing gradients. ``step`` steps the
+    pieces and all-gathers every bucket from its pieces. Per step, then, one reduce-scatter and one all-gather per
+    bucket, of the padded bucket's bytes: on a ring each moves (N-1)/N of them, and DDP's all-reduce of the same buckets
+    2(N-1)/N: the same bytes (an all-reduce is a reduce-scatter followed by an all-gather). After backward the module's
+    parameters have no ``.grad``: the averaged gradients are the pieces' (``self.pieces[b].grad``). Two backward passes
+    before a step add their reduce-scattered gradients into the pieces (gradient accumulation, with one reduce-scatter
+    per backward, as DeepSpeed's stage 2).
 
     Flat pieces need an element-wise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad...: torch.optim's common ones),
     since a piece holds parts of several parameters and the parts of one parameter lie on several ranks: an optimizer
     that looks at a whole tensor (a norm for LAMB's or LARS's trust ratio, Adafactor's row and column factors, Muon's
-    orthogonalization) would see the wrong tensor. A parameter that receives no gradient in a step gets zeros in
+    orthogonalization) would see the wrong tensor. A parameter that receives no gradient in a backward gets zeros in
     the flat buffer, as in DeepSpeed and FSDP1: plain SGD leaves it alone, but momentum or Adam's moments still move
-    it, unlike a plain optimizer, which skips a ``None`` gradient. Frozen parameters are left out and stay as they
-    are. A subclass of ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the local optimizer's, so an
-    LR scheduler's change reaches it; ``state_dict`` is this rank's piece's.
+    it, unlike a plain optimizer, which skips a ``None`` gradient. Every rank's backward must reach at least one
+    trainable parameter (the hooks start the buckets; a rank whose backward has none would start none). Frozen
+    parameters are left out and stay as they are. A subclass of ``torch.optim.Optimizer`` whose ``param_groups`` and
+    ``state`` are the local optimizer's, so an LR scheduler's change reaches it; ``state_dict`` is this rank's
+    pieces'.
     """
 
-    def __init__(self, module: nn.Module, optimizer_class, **defaults):
-        require_process_group("ZeRO2Optimizer")
+    reduce_during_backward = True  # ZeRO-2; the paper's ZeRO-1 (FlatZeRO1Optimizer) reduces in step
+
+    def __init__(self, module: nn.Module, optimizer_class, bucket_cap_mb: float = 25.0, **defaults):
+        require_process_group(type(self).__name__)
         self.module, self.world_size, self.rank = module, dist.get_world_size(), dist.get_rank()
         broadcast_parameters_and_buffers(module)  # the same start on every rank, as DDP
         self.parameters = [p for p in module.parameters() if p.requires_grad]  # unique: tied ones once
-        self.layout = FlatShard(self.parameters, self.world_size)
+        self.bucket_indices = assign_buckets(self.parameters, int(bucket_cap_mb * 2**20))
+        self.layouts, self.flats, self.pieces, self.slot = [], [], [], {}
         with torch.no_grad():
-            self.flat = self.layout.flatten(self.parameters)
-            for p, view in zip(self.parameters, self.layout.views(self.flat)):
-                p.data = view  # the module's parameters now live in the flat buffer
-        self.shard = nn.Parameter(self.layout.piece(self.flat, self.rank))  # a view: stepping it writes flat
-        self.optim = optimizer_class([self.shard], **defaults)
-        super().__init__([self.shard], self.optim.defaults)
+            for b, bucket in enumerate(self.bucket_indices):
+                params = [self.parameters[i] for i in bucket]
+                layout = FlatShard(params, self.world_size)
+                flat = layout.flatten(params)
+                for p, view in zip(params, layout.views(flat)):
+                    p.data = view  # the module's parameters now live in the bucket's flat buffer
+                self.layouts.append(layout)
+                self.flats.append(flat)
+                self.pieces.append(nn.Parameter(layout.piece(flat, self.rank)))  # a view: stepping it writes flat
+                self.slot.update((i, (b, position)) for position, i in enumerate(bucket))
+        self.optim = optimizer_class(self.pieces, **defaults)
+        super().__init__(self.pieces, self.optim.defaults)
         self.param_groups, self.state = self.optim.param_groups, self.optim.state  # one object, two names
+        self._start_round()
+        if self.reduce_during_backward:
+            for i, p in enumerate(self.parameters):
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self._gradient_ready(i))
+
+    def _start_round(self) -> None:
+        self.grad_flats = [None] * len(self.bucket_indices)  # each bucket's flat gradient, while it fills
+        self.pending = [len(bucket) for bucket in self.bucket_indices]  # gradients each bucket still waits for
+        self.next_bucket, self.in_flight, self.callback_queued = 0, None, False
+
+    def _gradient_ready(self, i: int) -> None:
+        """The hook: move gradient ``i`` into its bucket, free it, and start every complete bucket, in order."""
+        if not self.callback_queued:  # the end of this backward sends what did not complete
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self.callback_queued = True
+        b, position = self.slot[i]
+        if self.grad_flats[b] is None:  # zeros: padding, and gradients that never come, stay zero
+            self.grad_flats[b] = self.flats[b].new_zeros(self.flats[b].numel())
+        p = self.parameters[i]
+        with torch.no_grad():
+            self.layouts[b].views(self.grad_flats[b])[position].copy_(p.grad)
+        p.grad = None  # the whole gradient lives on only in its bucket, until the bucket is sent
+        self.pending[b] -= 1
+        while self.next_bucket < len(self.pending) and self.pending[self.next_bucket] == 0:
+            self._reduce_scatter_bucket(self.next_bucket)
+            self.next_bucket += 1
+
+    @torch.no_grad()
+    def _reduce_scatter_bucket(self, b: int) -> None:
+        """Start bucket ``b``'s reduce-scatter (its flat gradient, or its parameters' ``.grad``, freed), after
+        finishing the one in the air."""
+        flat_grad = self.grad_flats[b]
+        if flat_grad is None:  # no hook filled it: ZeRO-1's step, or no gradient came on this rank
+            params = [self.parameters[i] for i in self.bucket_indices[b]]
+            flat_grad = self.layouts[b].flatten([p.grad for p in params])
+            for p in params:
+                p.grad = None
+        self.grad_flats[b] = None
+        self._finish_in_flight()
+        received = torch.empty_like(self.pieces[b])
+        handle = reduce_scatter_into(received, flat_grad, async_op=True)  # each rank receives its piece's sum
+        self.in_flight = (b, handle, flat_grad, received)  # flat_grad must live until the collective is done
+
+    @torch.no_grad()
+    def _finish_in_flight(self) -> None:
+        """Wait for the bucket in the air, average its piece into the piece's ``.grad``, free its flat gradient."""
+        if self.in_flight is None:
+            return
+        b, handle, _, received = self.in_flight
+        handle.wait()
+        received.div_(self.world_size)
+        piece = self.pieces[b]
+        if piece.grad is None:
+            piece.grad = received
+        else:
+            piece.grad += received  # a second backward before the step: accumulate
+        self.in_flight = None
+
+    def _finish_backward(self) -> None:
+        """Send the buckets not sent yet, in order (zeros for missing gradients), and wait for the last one."""
+        for b in range(self.next_bucket, len(self.bucket_indices)):
+            self._reduce_scatter_bucket(b)
+        self._finish_in_flight()
+        self._start_round()
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Reduce-scatter the gradients, step this rank's piece, all-gather the pieces into every parameter."""
+        """Step this rank's pieces, then all-gather every bucket from its pieces into the parameters."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        flat_grad = self.flat.new_zeros(self.flat.numel())  # padding and missing gradients stay zero
-        for p, view in zip(self.parameters, self.layout.views(flat_grad)):
-            if p.grad is not None:
-                view.copy_(p.grad)
-                p.grad = None  # the whole gradient is freed as soon as it is in the flat buffer
-        grad_shard = torch.empty_like(self.shard)
-        reduce_scatter_into(grad_shard, flat_grad)  # each rank receives the sum of its own piece only
-        del flat_grad
-        self.shard.grad = grad_shard.div_(self.world_size)
+        if not self.reduce_during_backward:
+            self._finish_backward()  # ZeRO-1: every bucket reduce-scattered now, from the whole gradients
         self.optim.step()
-        all_gather_into(self.flat, self.shard.detach().clone())  # a copy: the input must not alias the output
+        handles = [  # a copy of the piece: the input must not alias the output
+            all_gather_into(flat, piece.detach().clone(), async_op=True) for flat, piece in zip(self.flats, self.pieces)
+        ]
+        for handle in handles:
+            handle.wait()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the whole gradients (left by a backward without a step) and this rank's gradient piece."""
+        """Clear the whole gradients (ZeRO-1's, or left without a hook) and this rank's gradient pieces."""
         for p in self.parameters:
             p.grad = None
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        """This rank's piece of the optimizer state (the local optimizer's ``state_dict``)."""
+        """This rank's pieces of the optimizer state (the local optimizer's ``state_dict``)."""
         return self.optim.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        """Load ``state_dict``'s piece of the optimizer state, saved by this rank at the same world size."""
+        """Load ``state_dict``'s pieces of the optimizer state, saved by this rank at the same world size."""
         self.optim.load_state_dict(state_dict)
+
+
+class FlatZeRO1Optimizer(ZeRO2Optimizer):
+    """ZeRO stage 1 as the paper and DeepSpeed build it: ``ZeRO2Optimizer``'s buckets, pieces and traffic (one
+    reduce-scatter and one all-gather per bucket, DDP's bytes), but the whole gradients are kept during backward
+    (and added up over several backward passes, with no communication) and reduce-scattered in ``step``. The
+    optimizer state is 1/N per rank, the gradients whole until the step, freed bucket by bucket as each is sent.
+    ``ZeRO1Optimizer`` is the other ZeRO-1, ``ZeroRedundancyOptimizer``'s: under DDP, whole tensors, broadcasts.
+
+        optimizer = FlatZeRO1Optimizer(model, torch.optim.Adam, lr=1e-3)   # no DDP around the model
+    """
+
+    reduce_during_backward = False
 
 
 class ShardedUnit:

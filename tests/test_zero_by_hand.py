@@ -7,6 +7,7 @@ but rank 0, under every stage. Each returns many figures; the tests below only a
 """
 
 import math
+import time
 
 import pytest
 import torch
@@ -18,11 +19,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.collectives import count_collectives
 from common.ddp_by_hand import BucketedDDP
+from common.experiments.zero import LiveTensorBytes
 from common.fsdp import full_parameters
 from common.launch import run_on_ranks
 from common.memory import training_state_bytes
 from common.models import DeepMLP
 from common.zero_by_hand import (
+    FlatZeRO1Optimizer,
     ZeRO1Optimizer,
     ZeRO2Optimizer,
     ZeRO3Model,
@@ -550,3 +553,135 @@ def test_a_parameter_used_only_on_rank_0_equals_one_process_averaging_its_gradie
         result = rank["gated"][f"{stage}_{key}"]
         assert not torch.equal(result["last"]["block.extra.weight"], result["first"]["block.extra.weight"])
         assert_close_by_name(result["last"], expected["last"], RANK_0_ONLY, rtol=1e-5, atol=1e-6)
+
+
+# ZeRO-2 and the paper's ZeRO-1 (FlatZeRO1Optimizer) against DDP, on a model of equal layers cut into buckets of
+# one layer each: what they send, when, what gradient memory they hold, and what they compute.
+WIDTH, DEPTH, BUCKET_CAP_MB = 128, 32, 64 / 1024  # 64 KiB: a layer (64.5 KiB) per bucket
+FLAT_STAGES = {"zero2": ZeRO2Optimizer, "flat_zero1": FlatZeRO1Optimizer}
+
+
+def equal_layers():
+    torch.manual_seed(0)
+    return nn.Sequential(*(module for _ in range(DEPTH) for module in (nn.Linear(WIDTH, WIDTH), nn.Tanh())))
+
+
+def regression_batches(env, steps=3, batch=16):
+    generator = torch.Generator().manual_seed(2)
+    data = [(torch.randn(batch, WIDTH, generator=generator), torch.randn(batch, WIDTH, generator=generator))
+            for _ in range(steps)]  # fmt: skip
+    return [(X[env.rank :: env.world_size], y[env.rank :: env.world_size]) for X, y in data]
+
+
+def measured_step(net, optimizer, X, y):
+    """One step, its collectives and when backward ran, and the bytes of the tensors allocated from the start of
+    backward on that are alive at once, at most, until the optimizer's own update (LiveTensorBytes, started after
+    forward: the activations are left out, the gradients and whatever holds them are in)."""
+    optimizer.zero_grad(set_to_none=True)
+    with count_collectives() as log:
+        loss = F.mse_loss(net(X), y)
+        inner = getattr(optimizer, "optim", None)
+        with LiveTensorBytes() as live:
+            live.phase("backward")
+            started = time.perf_counter()
+            loss.backward()
+            returned = time.perf_counter()
+            if hasattr(net, "finish_gradient_synchronization"):
+                net.finish_gradient_synchronization()
+            live.phase("reduce")
+            if inner is not None:  # the inner optimizer's step opens the last phase: its temporaries are not gradients
+                original = inner.step
+                inner.step = lambda *args, **kwargs: (live.phase("update"), original(*args, **kwargs))[1]
+            optimizer.step()
+            if inner is not None:
+                del inner.step
+    return {
+        "loss": loss.item(),
+        "gradient_peak": max(live.peaks["backward"], live.peaks["reduce"]),
+        "calls": [(call.name, call.bytes, call.started < returned, call.started > started) for call in log.calls],
+    }
+
+
+def flat_stages_against_ddp(env):
+    results = {"world_size": env.world_size}
+    data = regression_batches(env)
+    for name, optimizer_class in FLAT_STAGES.items():
+        model = equal_layers()
+        optimizer = optimizer_class(model, torch.optim.AdamW, bucket_cap_mb=BUCKET_CAP_MB, lr=LR)
+        steps = [measured_step(model, optimizer, X, y) for X, y in data]  # AdamW's state exists from step 2
+        results[name] = {"steps": steps, "parameters": [p.detach().clone() for p in model.parameters()],
+                         "buckets": len(optimizer.bucket_indices)}  # fmt: skip
+    model = equal_layers()
+    net = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)  # its gradients are tensors of their own, copied into buckets
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    steps = [measured_step(net, optimizer, X, y) for X, y in data]
+    results["torch_ddp"] = {"steps": steps, "parameters": [p.detach().clone() for p in model.parameters()]}
+    hand_ddp = BucketedDDP(equal_layers(), bucket_cap_mb=BUCKET_CAP_MB)
+    results["bucketed_ddp"] = measured_step(hand_ddp, torch.optim.AdamW(hand_ddp.parameters(), lr=LR), *data[0])
+    return results
+
+
+@pytest.fixture(scope="module")
+def flat_runs():
+    return {world_size: run_on_ranks(flat_stages_against_ddp, world_size, timeout=120) for world_size in (2, 4)}
+
+
+def gradient_bytes():
+    return sum(p.numel() * 4 for p in equal_layers().parameters())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", FLAT_STAGES)
+def test_zero2_and_flat_zero1_send_ddp_bytes_as_one_reduce_scatter_and_one_all_gather_per_bucket(
+    flat_runs, world_size, stage
+):
+    for rank in flat_runs[world_size]:
+        ddp_calls = rank["bucketed_ddp"]["calls"]
+        ddp_bytes = sum(size for name, size, *_ in ddp_calls if name == "all_reduce")
+        assert ddp_bytes == gradient_bytes() and len(ddp_calls) == rank[stage]["buckets"] == DEPTH
+        for step in rank[stage]["steps"]:
+            scattered = [size for name, size, *_ in step["calls"] if name == "reduce_scatter_single"]
+            gathered = [size for name, size, *_ in step["calls"] if name == "all_gather_single"]
+            assert len(step["calls"]) == len(scattered) + len(gathered), "nothing but these two"
+            assert len(scattered) == len(gathered) == len(ddp_calls), "one of each per DDP bucket"
+            # each bucket is padded to a multiple of N elements: fewer than N fp32 more per bucket
+            assert 0 <= sum(scattered) - ddp_bytes < 4 * world_size * len(ddp_calls)
+            assert sum(scattered) == sum(gathered)  # on a ring: (N-1)/N each, 2(N-1)/N together, as one all-reduce
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero2_reduce_scatters_each_bucket_during_backward_and_flat_zero1_in_step(flat_runs, world_size):
+    for rank in flat_runs[world_size]:
+        for stage, during_backward in (("zero2", True), ("flat_zero1", False)):
+            for step in rank[stage]["steps"]:
+                starts = [(before, after) for name, _, before, after in step["calls"] if name.startswith("reduce")]
+                assert starts and all(after for _, after in starts)
+                assert all(before == during_backward for before, _ in starts), stage
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero2_holds_about_1_over_n_of_the_gradients_at_its_peak_measured(flat_runs, world_size):
+    bucket = (WIDTH * WIDTH + WIDTH) * 4
+    for rank in flat_runs[world_size]:
+        for step in rank["torch_ddp"]["steps"]:
+            assert step["gradient_peak"] >= gradient_bytes(), "the measure sees DDP's whole gradients"
+        for step in rank["flat_zero1"]["steps"]:
+            assert step["gradient_peak"] >= gradient_bytes(), "the paper's ZeRO-1 keeps them whole until its step"
+        for step in rank["zero2"]["steps"]:
+            # its pieces (1/N of every bucket), the bucket filling, the one in the air and a layer's gradient
+            # on its way into a bucket, with 16 KiB for the activations' gradients of one layer at a time
+            assert step["gradient_peak"] <= gradient_bytes() / world_size + 3 * bucket + 16 * 2**10, step
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", FLAT_STAGES)
+def test_zero2_and_flat_zero1_train_as_torch_ddp_with_adamw(flat_runs, world_size, stage):
+    for rank in flat_runs[world_size]:
+        torch.testing.assert_close(rank[stage]["parameters"], rank["torch_ddp"]["parameters"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close([s["loss"] for s in rank[stage]["steps"]],
+                                   [s["loss"] for s in rank["torch_ddp"]["steps"]],
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
