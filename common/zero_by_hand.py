@@ -301,11 +301,13 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         if not self.reduce_during_backward:
             self._finish_backward()  # ZeRO-1: every bucket reduce-scattered now, from the whole gradients
         self.optim.step()
-        handles = [  # a copy of the piece: the input must not alias the output
-            all_gather_into(flat, piece.detach().clone(), async_op=True) for flat, piece in zip(self.flats, self.pieces)
-        ]
-        for handle in handles:
-            handle.wait()
+        in_flight = None  # at most two buckets' all-gathers in the air: each holds buffers of a bucket's size
+        for flat, piece in zip(self.flats, self.pieces):
+            handle = all_gather_into(flat, piece.detach().clone(), async_op=True)  # a copy: no aliasing the output
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = handle
+        in_flight.wait()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -350,6 +352,8 @@ class ShardedUnit:
             self.shard = nn.Parameter(self.layout.piece(flat, rank).clone())  # the master piece, full precision
         # between gathers a parameter is a meta tensor: its shape, and no memory
         self.freed = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parameters]
+        self.prefetched = None  # (whole buffer, handle, source): an all-gather started before it is needed
+        self.next_in_forward = self.previous_in_forward = None  # the units to prefetch (ZeRO3Model sets them)
 
     def put(self, tensors) -> None:
         """Make ``tensors`` the module's parameters (plain attributes: the ``nn.Parameter`` s are gone)."""
@@ -357,12 +361,33 @@ class ShardedUnit:
             for module, attribute in slots:
                 setattr(module, attribute, tensor)
 
-    def gather(self) -> torch.Tensor:
-        """All-gather the whole flat buffer, in the compute dtype (a bf16 gather sends half the bytes)."""
+    def gather(self, async_op: bool = False):
+        """All-gather the whole flat buffer, in the compute dtype (a bf16 gather sends half the bytes); with
+        ``async_op``, start it and return the buffer, the handle and the source, which must live until the end."""
         dtype = self.compute_dtype or self.shard.dtype
         full = torch.empty(self.layout.shard_numel * self.world_size, dtype=dtype, device=self.shard.device)
-        all_gather_into(full, self.shard.detach().to(dtype))
+        source = self.shard.detach().to(dtype)
+        handle = all_gather_into(full, source, async_op=async_op)
+        return (full, handle, source) if async_op else full
+
+    def prefetch(self) -> None:
+        """Start this unit's all-gather now, asynchronously, so that it runs while another unit computes."""
+        if self.prefetched is None:
+            self.prefetched = self.gather(async_op=True)
+
+    def gathered(self) -> torch.Tensor:
+        """The whole flat buffer: the prefetched all-gather's, once it is done, or one all-gathered now."""
+        if self.prefetched is None:
+            return self.gather()
+        full, handle, _ = self.prefetched
+        self.prefetched = None
+        handle.wait()
         return full
+
+    def drop_prefetched(self) -> None:
+        """Finish and forget a prefetched all-gather that was never used (its shard may change before the next)."""
+        if self.prefetched is not None:
+            self.gathered()
 
     def reduce_scatter(self, flat_grad: torch.Tensor | None) -> torch.Tensor:
         """This rank's piece of the gradient averaged over ranks, in the shard's dtype (fp32: one reduce-scatter)."""
@@ -383,7 +408,10 @@ class _GatheredUnitFunction(torch.autograd.Function):
         ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
-        unit.put(unit.layout.views(unit.gather()))
+        full = unit.gathered()  # prefetched while the unit before computed, or gathered now
+        if unit.next_in_forward is not None:
+            unit.next_in_forward.prefetch()  # the next unit's all-gather runs while this one computes
+        unit.put(unit.layout.views(full))
         try:
             return run(*args, **kwargs)  # autograd records nothing inside a Function's forward
         finally:
@@ -396,7 +424,9 @@ class _GatheredUnitFunction(torch.autograd.Function):
         inputs = [t.detach().requires_grad_(needed) for t, needed in zip(ctx.saved_tensors, needs_grad)]
         for position, tensor in zip(ctx.tensor_positions, inputs):
             args[position] = tensor
-        full = unit.gather().requires_grad_()  # gathered again: the forward freed it
+        full = unit.gathered().requires_grad_()  # gathered again (the forward freed it), or prefetched
+        if unit.previous_in_forward is not None:
+            unit.previous_in_forward.prefetch()  # backward goes on with the unit before: its gather starts now
         with torch.enable_grad(), _replayed_rng(ctx.rng, full.device):
             unit.put(unit.layout.views(full))
             outputs = ctx.run(*args, **ctx.kwargs)  # the recompute (activation checkpointing)
@@ -481,6 +511,14 @@ class ZeRO3Model(nn.Module):
     autograd finds its saved weights again. That needs the autograd graph to hold the same tensor objects, which a
     plain autograd Function cannot arrange without those storage tricks.
 
+    With ``prefetch`` (the default), a unit's all-gather does not wait for its turn: as unit k starts its forward,
+    it starts unit k+1's all-gather asynchronously, which then runs while unit k computes; as unit k starts its
+    backward, it starts unit k-1's (FSDP's forward and backward prefetch: ``set_modules_to_forward_prefetch`` and
+    ``set_modules_to_backward_prefetch`` in FSDP2). "Next" is the next in ``units``: give them in the order forward
+    runs them (the default order, the module's children, is). A unit that runs out of that order is still right,
+    only gathered without overlap; a prefetched gather left unused is dropped at the next forward. Two units' whole
+    parameters exist at once, instead of one: the memory that buys the overlap. The collectives are the same.
+
     The root unit (the parameters outside ``units``, tied parameters among them) is gathered once at the start of
     forward and kept until the end of its backward, as FSDP2 keeps its root (``fully_shard``'s
     ``reshard_after_forward`` is ``False`` for the root by default: backward starts with the root's last layers, so
@@ -506,7 +544,7 @@ class ZeRO3Model(nn.Module):
     is in that dtype too (FSDP2's default ``output_dtype``).
     """
 
-    def __init__(self, module: nn.Module, units=None, compute_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, units=None, compute_dtype: torch.dtype | None = None, prefetch: bool = True):
         super().__init__()
         require_process_group("ZeRO3Model")
         world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -563,6 +601,10 @@ class ZeRO3Model(nn.Module):
             if unit is not self.root:
                 submodule = module.get_submodule(unit.name)
                 submodule.forward = partial(self._unit_forward, unit, submodule.forward)
+        chain = [unit for unit in self.units if unit is not self.root]  # in the order of units: forward's
+        if prefetch:
+            for unit, following in zip(chain, chain[1:]):
+                unit.next_in_forward, following.previous_in_forward = following, unit
 
     def _unit_forward(self, unit: ShardedUnit, run, *args, **kwargs):
         if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
@@ -577,6 +619,8 @@ class ZeRO3Model(nn.Module):
     def forward(self, *args, **kwargs):
         """Gather the root unit (kept until its backward), then run the module; each unit gathers itself."""
         args = self._cast(args)
+        for unit in self.units:
+            unit.drop_prefetched()  # one prefetched in the last step but not used is stale: the shards moved
         if self.root is None:
             return self.module(*args, **kwargs)
         self.root.put(self.root.layout.views(_GatheredRootFunction.apply(self.root, self.root.shard)))

@@ -685,3 +685,67 @@ def test_zero2_and_flat_zero1_train_as_torch_ddp_with_adamw(flat_runs, world_siz
         torch.testing.assert_close([s["loss"] for s in rank[stage]["steps"]],
                                    [s["loss"] for s in rank["torch_ddp"]["steps"]],
                                    rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def zero3_with_and_without_prefetch(env):
+    """DeepMLP's 4 blocks as ZeRO-3 units, 3 Adam steps with prefetch and without: the parameters, and the events of
+    each step in order: each block's all-gather (as ShardedUnit.gather is called: when it is issued), each block's
+    Linear finishing (forward, and the recompute in backward), and the start of backward."""
+    results = {}
+    for prefetch in (True, False):
+        torch.manual_seed(0)
+        model = DeepMLP(width=32, depth=4)
+        net = ZeRO3Model(model, units=list(model.blocks), prefetch=prefetch)
+        optimizer = torch.optim.Adam(net.parameters(), lr=LR)
+        events = []
+        for unit in net.units:
+            if unit is not net.root:
+                issue = unit.gather
+                unit.gather = lambda *args, name=unit.name, issue=issue, **kwargs: (
+                    events.append(("gather", name)), issue(*args, **kwargs))[1]  # fmt: skip
+        for i, block in enumerate(model.blocks):
+            block[0].register_forward_hook(lambda *_, name=f"blocks.{i}": events.append(("computed", name)))
+        steps = []
+        generator = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            X, y = torch.randn(12, 1, 28, 28, generator=generator), torch.randint(0, 10, (12,), generator=generator)
+            X, y = X[env.rank :: env.world_size], y[env.rank :: env.world_size]
+            events.clear()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(net(X), y)
+            events.append(("backward", None))
+            loss.backward()
+            optimizer.step()
+            steps.append(list(events))
+        results[prefetch] = {"steps": steps, "parameters": list(gather_full_parameters(net).values())}
+    return results
+
+
+@pytest.fixture(scope="module")
+def prefetch_runs():
+    return run_on_ranks(zero3_with_and_without_prefetch, 2, timeout=120)
+
+
+def issued_before_computed(events, gathered, computed):
+    """Whether block ``gathered``'s all-gather was issued before block ``computed`` finished its Linear."""
+    return events.index(("gather", f"blocks.{gathered}")) < events.index(("computed", f"blocks.{computed}"))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_zero3_prefetch_issues_the_next_units_all_gather_before_the_current_unit_computes(prefetch_runs, prefetch):
+    for rank in prefetch_runs:
+        for events in rank[prefetch]["steps"]:
+            split = events.index(("backward", None))
+            forward, backward = events[:split], events[split:]
+            for block in range(3):  # forward: block k+1's gather against block k's compute
+                assert issued_before_computed(forward, block + 1, block) == prefetch, (block, forward)
+            for block in range(3, 0, -1):  # backward: block k-1's gather against block k's recompute
+                assert issued_before_computed(backward, block - 1, block) == prefetch, (block, backward)
+            assert sum(name == "gather" for name, _ in events) == 8, "each block twice, with prefetch or without"
+
+
+@pytest.mark.timeout(180)
+def test_zero3_trains_the_same_with_and_without_prefetch(prefetch_runs):
+    for rank in prefetch_runs:
+        torch.testing.assert_close(rank[True]["parameters"], rank[False]["parameters"], rtol=0, atol=0)
