@@ -749,3 +749,22 @@ def test_zero3_prefetch_issues_the_next_units_all_gather_before_the_current_unit
 def test_zero3_trains_the_same_with_and_without_prefetch(prefetch_runs):
     for rank in prefetch_runs:
         torch.testing.assert_close(rank[True]["parameters"], rank[False]["parameters"], rtol=0, atol=0)
+
+
+def test_live_tensor_bytes_counts_storages_from_allocation_to_free():
+    layer, X = nn.Linear(100, 50), torch.randn(4, 100)
+    gradients = 4 * (100 * 50 + 50)
+    with LiveTensorBytes() as live:
+        layer(X).sum().backward()
+        assert live.live == gradients, "the gradients alone outlive backward"
+        view = layer.weight.grad[:10]
+        layer.weight.grad = None
+        assert live.live == gradients, "a view keeps its storage alive"
+        del view
+        assert live.live == 4 * 50
+        layer.bias.data = torch.zeros(50)  # a new storage counted; the old bias was made before the block
+        assert live.live == 4 * 50 + 4 * 50
+        layer.bias.data = torch.ones(50)  # the storage made two lines up is dropped, and counted so
+        assert live.live == 4 * 50 + 4 * 50
+    # at its peak: the gradients and a few scalars (the loss and its gradient); the layer's output went before
+    assert gradients < live.peak <= gradients + 16
