@@ -34,6 +34,8 @@ What a lesson builds or shows:
 - ``common.debugging`` (07): collectives that ranks get wrong, and what ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` says.
 - ``common.ddp_by_hand`` (08): DDP built by hand: naive, overlapped with gradient hooks, bucketed.
 - ``common.zero_by_hand`` (08): ZeRO built by hand: sharded optimizer state (1), gradients (2), parameters (3).
+- ``common.experiments``: the notebooks' and benchmarks' harness, one module per lesson: spawned experiment
+  functions, measurements, timing (``common.experiments.zero``, 08: live tensor bytes, ZeRO's memory and time).
 - ``common.profiling`` (09): a training step in labelled regions, the profiler's traces (one per rank) and their
   breakdown: compute, communication, what backward hid of it, the bottleneck; HTA on GPU traces.
 - ``common.data_loading`` (09): a data pipeline that starves training (PNG files, per-sample decode), and the

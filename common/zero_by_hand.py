@@ -9,8 +9,11 @@ class here builds one stage from the plain collectives, so that lesson 08 can ch
 - ``partition_by_size``: whole tensors shared out among ranks, balanced by size (ZeRO-1's rule).
 - ``ZeRO1Optimizer`` (stage 1): wraps any ``torch.optim`` class; each rank keeps the optimizer state of its share
   of the parameters, steps its share, and broadcasts the updated values. Used after DDP has averaged gradients.
-- ``ZeRO2Optimizer`` (stage 2): no DDP; the gradients are reduce-scattered, so a rank keeps only its 1/N of the
-  averaged gradients, steps its 1/N of one flat, padded parameter buffer, and all-gathers the result.
+- ``ZeRO2Optimizer`` (stage 2): no DDP; the parameters live in flat, padded buckets; during backward each complete
+  bucket of gradients is reduce-scattered and freed, so a rank keeps only its 1/N of the averaged gradients; it
+  steps its 1/N of every bucket and all-gathers the result: DDP's bytes, as one reduce-scatter and one all-gather.
+- ``FlatZeRO1Optimizer`` (stage 1 as in the paper and DeepSpeed): the same buckets and traffic, but the whole
+  gradients are kept through backward and reduce-scattered in ``step``.
 - ``ZeRO3Model`` (stage 3, fully sharded): a rank keeps 1/N of every unit's parameters; a unit is all-gathered
   just before it computes and freed after; gradients are reduce-scattered to their owners.
 - ``gather_full_parameters``: ZeRO-3's whole parameters by name, for checking and saving.
@@ -29,26 +32,35 @@ import torch.distributed as dist
 from torch import nn
 
 from common.collectives import all_gather_into, reduce_scatter_into
-from common.ddp_by_hand import broadcast_parameters_and_buffers, require_process_group
+from common.ddp_by_hand import assign_buckets, broadcast_parameters_and_buffers, require_process_group
 
 
 def partition_by_size(parameters, world_size: int) -> list[list[int]]:
     """Share whole tensors out among ``world_size`` ranks, balanced by size: ``shares[rank]`` lists the indices
-    (into ``parameters``, ascending) of the tensors that ``rank`` owns.
+    (ascending) of the tensors that ``rank`` owns.
 
-    Largest first, each to the rank that owns the fewest elements so far (the lowest rank on a tie):
+    ``parameters`` is a list of tensors (one parameter group) or a list of parameter groups, each a list of tensors;
+    the indices count the tensors of all groups in order, as if the groups were laid end to end.
     ``ZeroRedundancyOptimizer``'s rule (``_partition_parameters`` in
-    ``torch/distributed/optim/zero_redundancy_optimizer.py``), so both give the same shares. Greedy, so the shares
-    are as even as the tensors allow, not equal: one tensor larger than total / N makes its rank the largest.
+    ``torch/distributed/optim/zero_redundancy_optimizer.py``), so both give the same shares: group after group, the
+    group's tensors largest first, each to the rank that owns the fewest elements so far (the lowest rank on a
+    tie), the loads carried over from one group to the next. Sorting within a group, not across groups, changes the
+    answer: groups [[A (10)], [B0 (100), B1 (100)]] at 2 ranks give A to rank 0, then B0 to rank 1 and B1 to
+    rank 0, [[A, B1], [B0]]; sorting all three together would give [[A, B0], [B1]]. Greedy, so the shares are as
+    even as the tensors allow, not equal: one tensor larger than total / N makes its rank the largest.
     """
-    # BEGIN LAB: share the tensors out, largest first, each to the least-loaded rank
-    # sorted(..., reverse=True) is stable: tensors of equal size keep their order, as in PyTorch's.
-    sizes = [p.numel() for p in parameters]
-    shares, loads = [[] for _ in range(world_size)], [0] * world_size
-    for index in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
-        rank = loads.index(min(loads))  # the first of the least-loaded ranks
-        shares[rank].append(index)
-        loads[rank] += sizes[index]
+    groups = [parameters] if all(isinstance(p, torch.Tensor) for p in parameters) else parameters
+    # BEGIN LAB: share the tensors out group by group, largest first, to the least-loaded rank
+    # sorted(..., reverse=True) is stable: tensors of equal size keep their order, as in PyTorch's. The loads
+    # carry over from one group to the next.
+    shares, loads, first = [[] for _ in range(world_size)], [0] * world_size, 0
+    for group in groups:
+        sizes = [p.numel() for p in group]
+        for index in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
+            rank = loads.index(min(loads))  # the first of the least-loaded ranks
+            shares[rank].append(first + index)
+            loads[rank] += sizes[index]
+        first += len(group)
     return [sorted(share) for share in shares]
     # END LAB
 
@@ -61,12 +73,12 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
     ``optimizer_class`` is any ``torch.optim`` class and ``defaults`` its keyword arguments. The trainable
-    parameters are shared out by ``partition_by_size``; each rank builds ``optimizer_class`` on its share alone
-    (``self.optim``, the name ``ZeroRedundancyOptimizer`` uses), so Adam's two states exist for 1/N of the model on
-    each rank. ``step`` steps that share, then every updated parameter is broadcast from its owner: one broadcast
-    per parameter, as ``ZeroRedundancyOptimizer`` does by default. (One flat buffer per owner would send the same
-    bytes in N messages instead; ``ZeRO2Optimizer`` goes further, with one all-gather.) Frozen parameters are in no
-    share: they never change, so there is nothing to step or send.
+    parameters are shared out by ``partition_by_size``, group by group; each rank builds ``optimizer_class`` on its
+    share alone (``self.optim``, the name ``ZeroRedundancyOptimizer`` uses), so Adam's two states exist for 1/N of
+    the model on each rank. ``step`` steps that share, then every updated parameter is broadcast from its owner: one
+    broadcast per parameter, as ``ZeroRedundancyOptimizer`` does by default. (One flat buffer per owner would send
+    the same bytes in N messages instead; ``ZeRO2Optimizer`` goes further, with one all-gather.) Frozen parameters
+    are in no share: they never change, so there is nothing to step or send.
 
     It subclasses ``torch.optim.Optimizer`` so that it goes wherever an optimizer goes: LR schedulers change
     ``param_groups[i]["lr"]`` (which holds every parameter, so ``zero_grad``, inherited, clears all gradients), and
@@ -77,11 +89,11 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_class, **defaults):
         require_process_group("ZeRO1Optimizer")
         super().__init__(params, defaults)
-        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        shares = partition_by_size(trainable, dist.get_world_size())
+        groups = [[p for p in group["params"] if p.requires_grad] for group in self.param_groups]
+        shares = partition_by_size(groups, dist.get_world_size())  # group by group, as ZeroRedundancyOptimizer
         owner_of = {index: rank for rank, share in enumerate(shares) for index in share}
         # owner[p]: the rank that steps p and broadcasts it, in the order of param_groups (the same on every rank)
-        self.owner = {p: owner_of[index] for index, p in enumerate(trainable)}
+        self.owner = {p: owner_of[index] for index, p in enumerate(p for group in groups for p in group)}
         rank = dist.get_rank()
         local_groups = [
             {**group, "params": [p for p in group["params"] if self.owner.get(p) == rank]}
@@ -157,74 +169,173 @@ class ZeRO2Optimizer(torch.optim.Optimizer):
         optimizer = ZeRO2Optimizer(model, torch.optim.Adam, lr=1e-3)   # no DDP around the model
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-    At construction rank 0's parameters and buffers are broadcast, and the module's trainable parameters become
-    views into one flat buffer, padded to a multiple of N and cut into N equal contiguous pieces: rank r's piece,
-    ``self.shard``, is the parameter the local optimizer (``self.optim``) steps, in place, so it costs no copy.
-    ``step`` flattens the gradients (freeing each ``.grad`` as it goes), reduce-scatters them with one collective, so
-    each rank receives the sum of its piece only, divides by N, steps its piece, and all-gathers the updated pieces
-    into the flat buffer, which every parameter views: one reduce-scatter of all gradient bytes and one all-gather of
-    all parameter bytes per step, where DDP's all-reduce costs both (an all-reduce is a reduce-scatter followed by an
-    all-gather). DeepSpeed starts the reduce-scatters bucket by bucket during backward; here the whole gradient
-    exists until ``step``, which is simpler and has the same traffic but a higher peak.
+    At construction rank 0's parameters and buffers are broadcast, and the trainable parameters are cut into buckets
+    of about ``bucket_cap_mb`` MiB by DDP's rule (``assign_buckets``: reverse order, the order backward produces
+    them). Each bucket's parameters become views into one flat buffer, padded to a multiple of N and cut into N equal
+    contiguous pieces (``FlatShard``); rank r's piece of each bucket (``self.pieces``) is what the local optimizer
+    (``self.optim``) steps, in place, so stepping writes the module's parameters.
+
+    During backward, a post-accumulate-grad hook copies each gradient into its bucket's flat gradient buffer (made when
+    the bucket's first gradient arrives) and frees the ``.grad`` at once; as soon as a bucket is complete, and the
+    buckets before it have started, it is reduce-scattered asynchronously: each rank receives the sum of its piece,
+    divides it by N and adds it to its piece's ``.grad``, and the bucket's flat gradient is freed when the next bucket
+    starts (one bucket in the air at a time). So a rank holds its 1/N of the gradients, plus the one or two buckets on
+    their way, never the whole gradient, as DeepSpeed's stage 2, which also reduces its gradient buckets during
+    backward, each rank keeping the slices it owns. (On gloo the measured peak also holds the copy that gloo's
+    reduce-scatter makes of the bucket it sends: one bucket more.) At the end of each backward (an autograd engine
+    callback) the buckets that did not complete are sent, with zeros for the missing gradients. ``step`` steps the
+    pieces and all-gathers every bucket from its pieces. Per step, then, one reduce-scatter and one all-gather per
+    bucket, of the padded bucket's bytes: on a ring each moves (N-1)/N of them, and DDP's all-reduce of the same buckets
+    2(N-1)/N: the same bytes (an all-reduce is a reduce-scatter followed by an all-gather). After backward the module's
+    parameters have no ``.grad``: the averaged gradients are the pieces' (``self.pieces[b].grad``). Two backward passes
+    before a step add their reduce-scattered gradients into the pieces (gradient accumulation, with one reduce-scatter
+    per backward, as DeepSpeed's stage 2).
 
     Flat pieces need an element-wise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad...: torch.optim's common ones),
     since a piece holds parts of several parameters and the parts of one parameter lie on several ranks: an optimizer
     that looks at a whole tensor (a norm for LAMB's or LARS's trust ratio, Adafactor's row and column factors, Muon's
-    orthogonalization) would see the wrong tensor. A parameter that receives no gradient in a step gets zeros in
+    orthogonalization) would see the wrong tensor. A parameter that receives no gradient in a backward gets zeros in
     the flat buffer, as in DeepSpeed and FSDP1: plain SGD leaves it alone, but momentum or Adam's moments still move
-    it, unlike a plain optimizer, which skips a ``None`` gradient. Frozen parameters are left out and stay as they
-    are. A subclass of ``torch.optim.Optimizer`` whose ``param_groups`` and ``state`` are the local optimizer's, so an
-    LR scheduler's change reaches it; ``state_dict`` is this rank's piece's.
+    it, unlike a plain optimizer, which skips a ``None`` gradient. Every rank's backward must reach at least one
+    trainable parameter (the hooks start the buckets; a rank whose backward has none would start none). Frozen
+    parameters are left out and stay as they are. A subclass of ``torch.optim.Optimizer`` whose ``param_groups`` and
+    ``state`` are the local optimizer's, so an LR scheduler's change reaches it; ``state_dict`` is this rank's
+    pieces'.
     """
 
-    def __init__(self, module: nn.Module, optimizer_class, **defaults):
-        require_process_group("ZeRO2Optimizer")
+    reduce_during_backward = True  # ZeRO-2; the paper's ZeRO-1 (FlatZeRO1Optimizer) reduces in step
+
+    def __init__(self, module: nn.Module, optimizer_class, bucket_cap_mb: float = 25.0, **defaults):
+        require_process_group(type(self).__name__)
         self.module, self.world_size, self.rank = module, dist.get_world_size(), dist.get_rank()
         broadcast_parameters_and_buffers(module)  # the same start on every rank, as DDP
         self.parameters = [p for p in module.parameters() if p.requires_grad]  # unique: tied ones once
-        self.layout = FlatShard(self.parameters, self.world_size)
+        self.bucket_indices = assign_buckets(self.parameters, int(bucket_cap_mb * 2**20))
+        self.layouts, self.flats, self.pieces, self.slot = [], [], [], {}
         with torch.no_grad():
-            self.flat = self.layout.flatten(self.parameters)
-            for p, view in zip(self.parameters, self.layout.views(self.flat)):
-                p.data = view  # the module's parameters now live in the flat buffer
-        self.shard = nn.Parameter(self.layout.piece(self.flat, self.rank))  # a view: stepping it writes flat
-        self.optim = optimizer_class([self.shard], **defaults)
-        super().__init__([self.shard], self.optim.defaults)
+            for b, bucket in enumerate(self.bucket_indices):
+                params = [self.parameters[i] for i in bucket]
+                layout = FlatShard(params, self.world_size)
+                flat = layout.flatten(params)
+                for p, view in zip(params, layout.views(flat)):
+                    p.data = view  # the module's parameters now live in the bucket's flat buffer
+                self.layouts.append(layout)
+                self.flats.append(flat)
+                self.pieces.append(nn.Parameter(layout.piece(flat, self.rank)))  # a view: stepping it writes flat
+                self.slot.update((i, (b, position)) for position, i in enumerate(bucket))
+        self.optim = optimizer_class(self.pieces, **defaults)
+        super().__init__(self.pieces, self.optim.defaults)
         self.param_groups, self.state = self.optim.param_groups, self.optim.state  # one object, two names
+        self._start_round()
+        if self.reduce_during_backward:
+            for i, p in enumerate(self.parameters):
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self._gradient_ready(i))
+
+    def _start_round(self) -> None:
+        self.grad_flats = [None] * len(self.bucket_indices)  # each bucket's flat gradient, while it fills
+        self.pending = [len(bucket) for bucket in self.bucket_indices]  # gradients each bucket still waits for
+        self.next_bucket, self.in_flight, self.callback_queued = 0, None, False
+
+    def _gradient_ready(self, i: int) -> None:
+        """The hook: move gradient ``i`` into its bucket, free it, and start every complete bucket, in order."""
+        if not self.callback_queued:  # the end of this backward sends what did not complete
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self.callback_queued = True
+        b, position = self.slot[i]
+        if self.grad_flats[b] is None:  # zeros: padding, and gradients that never come, stay zero
+            self.grad_flats[b] = self.flats[b].new_zeros(self.flats[b].numel())
+        p = self.parameters[i]
+        with torch.no_grad():
+            self.layouts[b].views(self.grad_flats[b])[position].copy_(p.grad)
+        p.grad = None  # the whole gradient lives on only in its bucket, until the bucket is sent
+        self.pending[b] -= 1
+        while self.next_bucket < len(self.pending) and self.pending[self.next_bucket] == 0:
+            self._reduce_scatter_bucket(self.next_bucket)
+            self.next_bucket += 1
+
+    @torch.no_grad()
+    def _reduce_scatter_bucket(self, b: int) -> None:
+        """Start bucket ``b``'s reduce-scatter (its flat gradient, or its parameters' ``.grad``, freed), after
+        finishing the one in the air."""
+        flat_grad = self.grad_flats[b]
+        if flat_grad is None:  # no hook filled it: ZeRO-1's step, or no gradient came on this rank
+            params = [self.parameters[i] for i in self.bucket_indices[b]]
+            flat_grad = self.layouts[b].flatten([p.grad for p in params])
+            for p in params:
+                p.grad = None
+        self.grad_flats[b] = None
+        self._finish_in_flight()
+        received = torch.empty_like(self.pieces[b])
+        handle = reduce_scatter_into(received, flat_grad, async_op=True)  # each rank receives its piece's sum
+        self.in_flight = (b, handle, flat_grad, received)  # flat_grad must live until the collective is done
+
+    @torch.no_grad()
+    def _finish_in_flight(self) -> None:
+        """Wait for the bucket in the air, average its piece into the piece's ``.grad``, free its flat gradient."""
+        if self.in_flight is None:
+            return
+        b, handle, _, received = self.in_flight
+        handle.wait()
+        received.div_(self.world_size)
+        piece = self.pieces[b]
+        if piece.grad is None:
+            piece.grad = received
+        else:
+            piece.grad += received  # a second backward before the step: accumulate
+        self.in_flight = None
+
+    def _finish_backward(self) -> None:
+        """Send the buckets not sent yet, in order (zeros for missing gradients), and wait for the last one."""
+        for b in range(self.next_bucket, len(self.bucket_indices)):
+            self._reduce_scatter_bucket(b)
+        self._finish_in_flight()
+        self._start_round()
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Reduce-scatter the gradients, step this rank's piece, all-gather the pieces into every parameter."""
+        """Step this rank's pieces, then all-gather every bucket from its pieces into the parameters."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        flat_grad = self.flat.new_zeros(self.flat.numel())  # padding and missing gradients stay zero
-        for p, view in zip(self.parameters, self.layout.views(flat_grad)):
-            if p.grad is not None:
-                view.copy_(p.grad)
-                p.grad = None  # the whole gradient is freed as soon as it is in the flat buffer
-        grad_shard = torch.empty_like(self.shard)
-        reduce_scatter_into(grad_shard, flat_grad)  # each rank receives the sum of its own piece only
-        del flat_grad
-        self.shard.grad = grad_shard.div_(self.world_size)
+        if not self.reduce_during_backward:
+            self._finish_backward()  # ZeRO-1: every bucket reduce-scattered now, from the whole gradients
         self.optim.step()
-        all_gather_into(self.flat, self.shard.detach().clone())  # a copy: the input must not alias the output
+        in_flight = None  # at most two buckets' all-gathers in the air: each holds buffers of a bucket's size
+        for flat, piece in zip(self.flats, self.pieces):
+            handle = all_gather_into(flat, piece.detach().clone(), async_op=True)  # a copy: no aliasing the output
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = handle
+        in_flight.wait()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the whole gradients (left by a backward without a step) and this rank's gradient piece."""
+        """Clear the whole gradients (ZeRO-1's, or left without a hook) and this rank's gradient pieces."""
         for p in self.parameters:
             p.grad = None
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        """This rank's piece of the optimizer state (the local optimizer's ``state_dict``)."""
+        """This rank's pieces of the optimizer state (the local optimizer's ``state_dict``)."""
         return self.optim.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        """Load ``state_dict``'s piece of the optimizer state, saved by this rank at the same world size."""
+        """Load ``state_dict``'s pieces of the optimizer state, saved by this rank at the same world size."""
         self.optim.load_state_dict(state_dict)
+
+
+class FlatZeRO1Optimizer(ZeRO2Optimizer):
+    """ZeRO stage 1 as the paper and DeepSpeed build it: ``ZeRO2Optimizer``'s buckets, pieces and traffic (one
+    reduce-scatter and one all-gather per bucket, DDP's bytes), but the whole gradients are kept during backward
+    (and added up over several backward passes, with no communication) and reduce-scattered in ``step``. The
+    optimizer state is 1/N per rank, the gradients whole until the step, freed bucket by bucket as each is sent.
+    ``ZeRO1Optimizer`` is the other ZeRO-1, ``ZeroRedundancyOptimizer``'s: under DDP, whole tensors, broadcasts.
+
+        optimizer = FlatZeRO1Optimizer(model, torch.optim.Adam, lr=1e-3)   # no DDP around the model
+    """
+
+    reduce_during_backward = False
 
 
 class ShardedUnit:
@@ -241,6 +352,8 @@ class ShardedUnit:
             self.shard = nn.Parameter(self.layout.piece(flat, rank).clone())  # the master piece, full precision
         # between gathers a parameter is a meta tensor: its shape, and no memory
         self.freed = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parameters]
+        self.prefetched = None  # (whole buffer, handle, source): an all-gather started before it is needed
+        self.next_in_forward = self.previous_in_forward = None  # the units to prefetch (ZeRO3Model sets them)
 
     def put(self, tensors) -> None:
         """Make ``tensors`` the module's parameters (plain attributes: the ``nn.Parameter`` s are gone)."""
@@ -248,12 +361,33 @@ class ShardedUnit:
             for module, attribute in slots:
                 setattr(module, attribute, tensor)
 
-    def gather(self) -> torch.Tensor:
-        """All-gather the whole flat buffer, in the compute dtype (a bf16 gather sends half the bytes)."""
+    def gather(self, async_op: bool = False):
+        """All-gather the whole flat buffer, in the compute dtype (a bf16 gather sends half the bytes); with
+        ``async_op``, start it and return the buffer, the handle and the source, which must live until the end."""
         dtype = self.compute_dtype or self.shard.dtype
         full = torch.empty(self.layout.shard_numel * self.world_size, dtype=dtype, device=self.shard.device)
-        all_gather_into(full, self.shard.detach().to(dtype))
+        source = self.shard.detach().to(dtype)
+        handle = all_gather_into(full, source, async_op=async_op)
+        return (full, handle, source) if async_op else full
+
+    def prefetch(self) -> None:
+        """Start this unit's all-gather now, asynchronously, so that it runs while another unit computes."""
+        if self.prefetched is None:
+            self.prefetched = self.gather(async_op=True)
+
+    def gathered(self) -> torch.Tensor:
+        """The whole flat buffer: the prefetched all-gather's, once it is done, or one all-gathered now."""
+        if self.prefetched is None:
+            return self.gather()
+        full, handle, _ = self.prefetched
+        self.prefetched = None
+        handle.wait()
         return full
+
+    def drop_prefetched(self) -> None:
+        """Finish and forget a prefetched all-gather that was never used (its shard may change before the next)."""
+        if self.prefetched is not None:
+            self.gathered()
 
     def reduce_scatter(self, flat_grad: torch.Tensor | None) -> torch.Tensor:
         """This rank's piece of the gradient averaged over ranks, in the shard's dtype (fp32: one reduce-scatter)."""
@@ -274,7 +408,10 @@ class _GatheredUnitFunction(torch.autograd.Function):
         ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
-        unit.put(unit.layout.views(unit.gather()))
+        full = unit.gathered()  # prefetched while the unit before computed, or gathered now
+        if unit.next_in_forward is not None:
+            unit.next_in_forward.prefetch()  # the next unit's all-gather runs while this one computes
+        unit.put(unit.layout.views(full))
         try:
             return run(*args, **kwargs)  # autograd records nothing inside a Function's forward
         finally:
@@ -287,7 +424,9 @@ class _GatheredUnitFunction(torch.autograd.Function):
         inputs = [t.detach().requires_grad_(needed) for t, needed in zip(ctx.saved_tensors, needs_grad)]
         for position, tensor in zip(ctx.tensor_positions, inputs):
             args[position] = tensor
-        full = unit.gather().requires_grad_()  # gathered again: the forward freed it
+        full = unit.gathered().requires_grad_()  # gathered again (the forward freed it), or prefetched
+        if unit.previous_in_forward is not None:
+            unit.previous_in_forward.prefetch()  # backward goes on with the unit before: its gather starts now
         with torch.enable_grad(), _replayed_rng(ctx.rng, full.device):
             unit.put(unit.layout.views(full))
             outputs = ctx.run(*args, **ctx.kwargs)  # the recompute (activation checkpointing)
@@ -372,6 +511,14 @@ class ZeRO3Model(nn.Module):
     autograd finds its saved weights again. That needs the autograd graph to hold the same tensor objects, which a
     plain autograd Function cannot arrange without those storage tricks.
 
+    With ``prefetch`` (the default), a unit's all-gather does not wait for its turn: as unit k starts its forward,
+    it starts unit k+1's all-gather asynchronously, which then runs while unit k computes; as unit k starts its
+    backward, it starts unit k-1's (FSDP's forward and backward prefetch: ``set_modules_to_forward_prefetch`` and
+    ``set_modules_to_backward_prefetch`` in FSDP2). "Next" is the next in ``units``: give them in the order forward
+    runs them (the default order, the module's children, is). A unit that runs out of that order is still right,
+    only gathered without overlap; a prefetched gather left unused is dropped at the next forward. Two units' whole
+    parameters exist at once, instead of one: the memory that buys the overlap. The collectives are the same.
+
     The root unit (the parameters outside ``units``, tied parameters among them) is gathered once at the start of
     forward and kept until the end of its backward, as FSDP2 keeps its root (``fully_shard``'s
     ``reshard_after_forward`` is ``False`` for the root by default: backward starts with the root's last layers, so
@@ -397,7 +544,7 @@ class ZeRO3Model(nn.Module):
     is in that dtype too (FSDP2's default ``output_dtype``).
     """
 
-    def __init__(self, module: nn.Module, units=None, compute_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, units=None, compute_dtype: torch.dtype | None = None, prefetch: bool = True):
         super().__init__()
         require_process_group("ZeRO3Model")
         world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -454,6 +601,10 @@ class ZeRO3Model(nn.Module):
             if unit is not self.root:
                 submodule = module.get_submodule(unit.name)
                 submodule.forward = partial(self._unit_forward, unit, submodule.forward)
+        chain = [unit for unit in self.units if unit is not self.root]  # in the order of units: forward's
+        if prefetch:
+            for unit, following in zip(chain, chain[1:]):
+                unit.next_in_forward, following.previous_in_forward = following, unit
 
     def _unit_forward(self, unit: ShardedUnit, run, *args, **kwargs):
         if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
@@ -468,6 +619,8 @@ class ZeRO3Model(nn.Module):
     def forward(self, *args, **kwargs):
         """Gather the root unit (kept until its backward), then run the module; each unit gathers itself."""
         args = self._cast(args)
+        for unit in self.units:
+            unit.drop_prefetched()  # one prefetched in the last step but not used is stale: the shards moved
         if self.root is None:
             return self.module(*args, **kwargs)
         self.root.put(self.root.layout.views(_GatheredRootFunction.apply(self.root, self.root.shard)))

@@ -3,7 +3,7 @@
 """Lab 10 (lesson 08): ZeRO by hand: sharded optimizer state (1), gradients (2), parameters (3).
 
 YOUR TASK: write the parts marked TODO below; the rest of this script and common/ are done for you.
-- in ``partition_by_size``: share the tensors out, largest first, each to the least-loaded rank
+- in ``partition_by_size``: share the tensors out group by group, largest first, to the least-loaded rank
 - in ``ZeRO1Optimizer.step``: step my share, then send every updated parameter from its owner to every rank
 Check your work with
 
@@ -42,16 +42,23 @@ from common.ddp_by_hand import require_process_group
 
 def partition_by_size(parameters, world_size: int) -> list[list[int]]:
     """Share whole tensors out among ``world_size`` ranks, balanced by size: ``shares[rank]`` lists the indices
-    (into ``parameters``, ascending) of the tensors that ``rank`` owns.
+    (ascending) of the tensors that ``rank`` owns.
 
-    Largest first, each to the rank that owns the fewest elements so far (the lowest rank on a tie):
+    ``parameters`` is a list of tensors (one parameter group) or a list of parameter groups, each a list of tensors;
+    the indices count the tensors of all groups in order, as if the groups were laid end to end.
     ``ZeroRedundancyOptimizer``'s rule (``_partition_parameters`` in
-    ``torch/distributed/optim/zero_redundancy_optimizer.py``), so both give the same shares. Greedy, so the shares
-    are as even as the tensors allow, not equal: one tensor larger than total / N makes its rank the largest.
+    ``torch/distributed/optim/zero_redundancy_optimizer.py``), so both give the same shares: group after group, the
+    group's tensors largest first, each to the rank that owns the fewest elements so far (the lowest rank on a
+    tie), the loads carried over from one group to the next. Sorting within a group, not across groups, changes the
+    answer: groups [[A (10)], [B0 (100), B1 (100)]] at 2 ranks give A to rank 0, then B0 to rank 1 and B1 to
+    rank 0, [[A, B1], [B0]]; sorting all three together would give [[A, B0], [B1]]. Greedy, so the shares are as
+    even as the tensors allow, not equal: one tensor larger than total / N makes its rank the largest.
     """
-    # TODO: share the tensors out, largest first, each to the least-loaded rank
-    # sorted(..., reverse=True) is stable: tensors of equal size keep their order, as in PyTorch's.
-    raise NotImplementedError("TODO: share the tensors out, largest first, each to the least-loaded rank")
+    groups = [parameters] if all(isinstance(p, torch.Tensor) for p in parameters) else parameters
+    # TODO: share the tensors out group by group, largest first, to the least-loaded rank
+    # sorted(..., reverse=True) is stable: tensors of equal size keep their order, as in PyTorch's. The loads
+    # carry over from one group to the next.
+    raise NotImplementedError("TODO: share the tensors out group by group, largest first, to the least-loaded rank")
 
 
 class ZeRO1Optimizer(torch.optim.Optimizer):
@@ -62,12 +69,12 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
     ``optimizer_class`` is any ``torch.optim`` class and ``defaults`` its keyword arguments. The trainable
-    parameters are shared out by ``partition_by_size``; each rank builds ``optimizer_class`` on its share alone
-    (``self.optim``, the name ``ZeroRedundancyOptimizer`` uses), so Adam's two states exist for 1/N of the model on
-    each rank. ``step`` steps that share, then every updated parameter is broadcast from its owner: one broadcast
-    per parameter, as ``ZeroRedundancyOptimizer`` does by default. (One flat buffer per owner would send the same
-    bytes in N messages instead; ``ZeRO2Optimizer`` goes further, with one all-gather.) Frozen parameters are in no
-    share: they never change, so there is nothing to step or send.
+    parameters are shared out by ``partition_by_size``, group by group; each rank builds ``optimizer_class`` on its
+    share alone (``self.optim``, the name ``ZeroRedundancyOptimizer`` uses), so Adam's two states exist for 1/N of
+    the model on each rank. ``step`` steps that share, then every updated parameter is broadcast from its owner: one
+    broadcast per parameter, as ``ZeroRedundancyOptimizer`` does by default. (One flat buffer per owner would send
+    the same bytes in N messages instead; ``ZeRO2Optimizer`` goes further, with one all-gather.) Frozen parameters
+    are in no share: they never change, so there is nothing to step or send.
 
     It subclasses ``torch.optim.Optimizer`` so that it goes wherever an optimizer goes: LR schedulers change
     ``param_groups[i]["lr"]`` (which holds every parameter, so ``zero_grad``, inherited, clears all gradients), and
@@ -78,11 +85,11 @@ class ZeRO1Optimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_class, **defaults):
         require_process_group("ZeRO1Optimizer")
         super().__init__(params, defaults)
-        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        shares = partition_by_size(trainable, dist.get_world_size())
+        groups = [[p for p in group["params"] if p.requires_grad] for group in self.param_groups]
+        shares = partition_by_size(groups, dist.get_world_size())  # group by group, as ZeroRedundancyOptimizer
         owner_of = {index: rank for rank, share in enumerate(shares) for index in share}
         # owner[p]: the rank that steps p and broadcasts it, in the order of param_groups (the same on every rank)
-        self.owner = {p: owner_of[index] for index, p in enumerate(trainable)}
+        self.owner = {p: owner_of[index] for index, p in enumerate(p for group in groups for p in group)}
         rank = dist.get_rank()
         local_groups = [
             {**group, "params": [p for p in group["params"] if self.owner.get(p) == rank]}

@@ -28,6 +28,7 @@ import os
 QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a fast run
 MAX_BATCHES = 2 if QUICK else 20  # batches per epoch of the solutions' runs (1 epoch)
 BENCHMARK = ["--width", 256, "--depth", 2, "--steps", 2, "--rounds", 1] if QUICK else []  # benchmarks/ddp_by_hand.py
+ZERO_BENCHMARK = ["--time-depth", 2, "--steps", 1, "--rounds", 1] if QUICK else []  # benchmarks/zero_by_hand.py
 # The runs of solutions/09_ddp_by_hand.py (--ddp, options) and 10_zero_by_hand.py (--zero, options, processes);
 # the quick run keeps one of each: every torchrun costs seconds of start-up
 BUILD_RUNS = [
@@ -150,3 +151,15 @@ print(launch("benchmarks/ddp_by_hand.py", *BENCHMARK, nproc=2).stdout)
 # %%
 for stage, extra, nproc in ZERO_RUNS:
     print(run("solutions/10_zero_by_hand.py", "--zero", stage, *extra, nproc=nproc))
+
+# %% [markdown]
+# ## What each rank holds, measured, and ZeRO-3's prefetch
+#
+# The model-state figures above are the sizes of the tensors that the model and the optimizer reference after a
+# step: lesson 06's arithmetic again. `benchmarks/zero_by_hand.py` measures instead: it counts every tensor storage
+# alive (`common.experiments.zero.LiveTensorBytes`, from before the model is made) during one Adam step of each
+# build, and prints what a rank holds as the step begins and its peak in forward, backward and step. Then it times
+# ZeRO-3 with prefetch (each unit's all-gather started while the unit before computes) and without.
+
+# %%
+print(launch("benchmarks/zero_by_hand.py", *ZERO_BENCHMARK, nproc=2).stdout)
