@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import ddp_by_hand
 from common.collectives import count_collectives
 from common.ddp import ddp_buckets
 from common.ddp_by_hand import BucketedDDP, NaiveDDP, OverlappedDDP, assign_buckets
+from common.experiments.ddp_by_hand import bucket_timeline
 from common.launch import run_on_ranks
 from common.models import DeepMLP
 from tests.conftest import torchrun
@@ -220,7 +220,7 @@ def register_hook_data_parallel(env) -> dict:
 
 
 def ranks(env) -> dict:
-    timeline = ddp_by_hand.bucket_timeline(env, bucket_cap_mb=0.25, width=256, depth=3, batch_size=16)
+    timeline = bucket_timeline(env, bucket_cap_mb=0.25, width=256, depth=3, batch_size=16)
     return {
         "equivalence": equivalence(env),
         "properties": properties(env),
