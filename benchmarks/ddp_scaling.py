@@ -18,8 +18,12 @@ Then the communication (``common/scaling.py``): at every count above 1, one more
 ``dist.all_reduce`` at sizes from 4 B to 16 MiB and fits t(n) = alpha + beta n; the model's DDP buckets (DDP's
 default cap) give the predicted all-reduce time per step, beside "measured, buckets alone": the same all-reduces
 timed back to back with nothing else running (inside a real step, where backward overlaps and competes with
-them, the communication is read from a profiler trace: lesson 09). A last table splits each step's time into
-that predicted communication and the rest (compute, data), against the ideal, and names the limit.
+them, the communication is read from a profiler trace: lesson 09). Then a control for every count above 1: one
+process alone, with the threads and the batch of one of the N processes (``--threads``, else 1, as torchrun gives
+each of several). A last table splits the time each step lost against the ideal into measured parts: what one
+process of the N takes alone (control - ideal: fewer threads, a smaller batch), the all-reduces measured alone,
+and what neither explains (the N processes running together: cores, memory bandwidth, gloo's threads, less
+whatever backward hid). It names no cause by rule; the largest part is the one to look at first.
 
 What the CPU figures mean: the processes share the machine's cores. N processes on fewer than N cores (or N
 processes of several threads each on N cores) cannot run their compute in parallel, so the step's compute slows
@@ -54,25 +58,26 @@ from common.scaling import (
 FIT_SIZES = [4**k for k in range(1, 13)]  # 4 B to 16 MiB, every fourfold: small sizes give alpha, large ones beta
 
 
-def launch_environment(args) -> dict:
-    """What every launch adds to this process's environment: GPUs hidden under ``--cpu``, ``--threads`` intra-op
-    threads."""
+def launch_environment(args, threads: int | None = None) -> dict:
+    """What every launch adds to this process's environment: GPUs hidden under ``--cpu``, ``threads`` (else
+    ``--threads``) intra-op threads."""
     extra = {}
     if args.cpu:
         extra["CUDA_VISIBLE_DEVICES"] = ""
-    if args.threads:
-        extra["OMP_NUM_THREADS"] = str(args.threads)
+    if threads or args.threads:
+        extra["OMP_NUM_THREADS"] = str(threads or args.threads)
     return extra
 
 
-def measure(nproc: int, batch_size: int, args) -> dict:
-    """Train solutions/01_ddp_basic.py on ``nproc`` processes with ``batch_size`` per process; its figures."""
+def measure(nproc: int, batch_size: int, args, threads: int | None = None) -> dict:
+    """Train solutions/01_ddp_basic.py on ``nproc`` processes with ``batch_size`` per process (and ``threads``
+    intra-op threads each, else ``--threads`` or torchrun's); its figures."""
     metrics = run_for_json(
         "solutions/01_ddp_basic.py",
         *("--dataset", args.dataset, "--model", args.model, "--epochs", args.epochs, "--batch-size", batch_size),
         json_option="--metrics-file",
         nproc=nproc,
-        env_extra=launch_environment(args),
+        env_extra=launch_environment(args, threads),
     )
     epochs = metrics["history"][1:] or metrics["history"]
     samples_per_second = sum(e["samples"] for e in epochs) / sum(e["seconds"] for e in epochs)
@@ -173,15 +178,16 @@ def main(args):
 
     communication = {nproc: measure_communication(nproc, args) for nproc in counts if nproc > 1}
     print_communication(communication, args)
-    print_limits(rows_by_mode, communication, args)
+    controls = measure_controls(rows_by_mode, measured, args)
+    print_limits(rows_by_mode, communication, controls)
     if args.plot:
         plot_scaling(rows_by_mode, args.plot, f"DDP, {args.model} on {args.dataset}")
         print(f"\nplot: {args.plot}")
     if args.json:
         all_rows = [row for rows in rows_by_mode.values() for row in rows]
-        args.json.write_text(
-            json.dumps({"setup": setup, "rows": all_rows, "communication": list(communication.values())}, indent=2)
-        )
+        figures = {"setup": setup, "rows": all_rows, "communication": list(communication.values())}
+        figures["controls"] = [{"nproc": n, "batch": batch, **run} for (n, batch), run in controls.items()]
+        args.json.write_text(json.dumps(figures, indent=2))
 
 
 def print_communication(communication: dict, args):
@@ -205,12 +211,54 @@ def print_communication(communication: dict, args):
         )
 
 
-def print_limits(rows_by_mode: dict, communication: dict, args):
-    """Each step's time against the ideal, split into predicted communication and the rest; the limit, named."""
+def measure_controls(rows_by_mode: dict, measured: dict, args) -> dict:
+    """The control of every count above 1, keyed by (count, batch per process): one process alone with the
+    threads and the batch of one of that count's processes. A 1-process scaling run with the same threads and
+    batch serves as it; else one more launch, once per (threads, batch)."""
+    _, baseline_threads, _ = cores_used(1, args)
+    runs, controls = {}, {}
+    for rows in rows_by_mode.values():
+        for row in rows:
+            if row["nproc"] == 1:
+                continue
+            threads = cores_used(row["nproc"], args)[1] // row["nproc"]
+            batch = row["batch_size_per_process"]
+            if (threads, batch) not in runs:
+                same = measured.get((1, batch)) if threads == baseline_threads else None
+                runs[threads, batch] = {"threads": threads, **(same or measure(1, batch, args, threads=threads))}
+            controls[row["nproc"], batch] = runs[threads, batch]
+    return controls
+
+
+def step_parts(row: dict, ideal: float, communication: dict, control: dict) -> dict:
+    """What the step of ``row`` lost against ``ideal`` (seconds), in measured parts that add up to it:
+
+    - ``alone``: the control's step (one process alone, the threads and batch of one of these) minus the ideal;
+    - ``all_reduces``: the step's buckets all-reduced back to back, measured with nothing else running;
+    - ``together``: the rest, which neither explains: the processes running at once (sharing cores, memory
+      bandwidth, gloo's threads), less any communication that backward hid (it can be negative).
+
+    Also ``predicted`` (the alpha-beta fit's all-reduce time) and ``largest``: the name of the largest part."""
+    lost = row["step_seconds"] - ideal
+    parts = {"alone": control["step_seconds"] - ideal, "all_reduces": communication["buckets_alone_s"]}
+    parts["together"] = lost - parts["alone"] - parts["all_reduces"]
+    largest = max(parts, key=parts.get)
+    return {"lost": lost, **parts, "predicted": communication["predicted_s"], "largest": largest}
+
+
+PART_NAMES = {
+    "alone": "one process alone with these threads and this batch (the control)",
+    "all_reduces": "the all-reduces, measured alone",
+    "together": "the processes running together (neither of the others)",
+}
+
+
+def print_limits(rows_by_mode: dict, communication: dict, controls: dict):
+    """Each step's time against the ideal, and what it lost split into measured parts (``step_parts``)."""
     print("\nwhere a step's time goes, ms (ideal: weak, the 1-process step; strong, the 1-process step / N)")
     print(
-        f"{'mode':>6} {'processes':>9} {'step':>8} {'ideal':>8} {'all-reduce':>10} {'the rest':>8} "
-        f"{'rest/ideal':>10} {'efficiency':>10}"
+        f"{'mode':>6} {'processes':>9} {'step':>8} {'ideal':>8} {'lost':>8} {'control':>8} {'alone':>8} "
+        f"{'all-reduces':>11} {'together':>8} {'predicted':>9} {'efficiency':>10}"
     )
     findings = []
     for mode, rows in rows_by_mode.items():
@@ -219,48 +267,35 @@ def print_limits(rows_by_mode: dict, communication: dict, args):
             nproc = row["nproc"]
             # The smallest count taken as perfectly efficient: weak, the same step time; strong, N times faster.
             ideal = first["step_seconds"] if mode == "weak" else first["step_seconds"] * first["nproc"] / nproc
-            comm = communication[nproc]["predicted_s"] if nproc in communication else 0.0
-            rest = row["step_seconds"] - comm
+            line = f"{mode:>6} {nproc:>9} {row['step_seconds'] * 1e3:>8.2f} {ideal * 1e3:>8.2f}"
+            if nproc == 1 or nproc not in communication:
+                print(f"{line} {(row['step_seconds'] - ideal) * 1e3:>8.2f} {'':>58} {row['efficiency']:>10.0%}")
+                continue
+            control = controls[nproc, row["batch_size_per_process"]]
+            parts = step_parts(row, ideal, communication[nproc], control)
             print(
-                f"{mode:>6} {nproc:>9} {row['step_seconds'] * 1e3:>8.2f} {ideal * 1e3:>8.2f} {comm * 1e3:>10.3f} "
-                f"{rest * 1e3:>8.2f} {rest / ideal:>9.2f}x {row['efficiency']:>10.0%}"
+                f"{line} {parts['lost'] * 1e3:>8.2f} {control['step_seconds'] * 1e3:>8.2f} "
+                f"{parts['alone'] * 1e3:>8.2f} {parts['all_reduces'] * 1e3:>11.3f} {parts['together'] * 1e3:>8.2f} "
+                f"{parts['predicted'] * 1e3:>9.3f} {row['efficiency']:>10.0%}"
             )
-            if nproc > 1:
-                findings.append(f"{mode} scaling, {nproc} processes: " + limit(row, ideal, comm, first, args))
+            findings.append(f"{mode} scaling, {nproc} processes: " + describe_parts(row, parts, control))
     if findings:
         print("\n" + "\n".join(findings))
 
 
-def limit(row: dict, ideal: float, comm: float, first: dict, args) -> str:
-    """One count's efficiency and what held it back: the all-reduces (predicted) or the rest of the step."""
-    lost = row["step_seconds"] - ideal
+def describe_parts(row: dict, parts: dict, control: dict) -> str:
+    """``step_parts`` in a sentence: the efficiency, the ms lost, each part's ms and share of it, the largest."""
     efficiency = f"efficiency {row['efficiency']:.0%}"
-    if lost <= 0:
-        return (
-            f"{efficiency}, at or above the ideal: the {first['nproc']}-process baseline was slower per process "
-            "(on a CPU, one process's several threads scale worse than one-thread processes; --threads 1 gives "
-            "every count the same threads)"
-        )
-    explained = min(comm, lost)
-    rest = (row["step_seconds"] - comm) / ideal
-    on_cpu = row["device"].startswith("cpu")
-    if explained >= lost - explained:
-        cause = "communication (fewer, larger buckets; overlap with backward; a faster link)"
-    elif on_cpu:
-        sharing, threads, cores = cores_used(row["nproc"], args)
-        baseline, baseline_threads, _ = cores_used(first["nproc"], args)
-        if threads > cores:
-            cause = f"the compute, which does not parallelise: {sharing} compete for the cores"
-        elif baseline_threads >= cores:
-            cause = f"the compute: the baseline ({baseline}) already used every core, more processes add none"
-        else:
-            cause = f"the compute outside the all-reduces ({sharing}: other load, memory bandwidth, data loading)"
-    else:
-        cause = "the compute and data loading outside the all-reduces"
+    if parts["lost"] <= 0:
+        return f"{efficiency}, at or above the ideal: nothing lost to split"
+    shares = "; ".join(
+        f"{PART_NAMES[name]} {parts[name] * 1e3:.2f} ms ({parts[name] / parts['lost']:.0%})"
+        for name in ("alone", "all_reduces", "together")
+    )
     return (
-        f"{efficiency}; of the {lost * 1e3:.2f} ms lost per step the all-reduces explain at most "
-        f"{explained * 1e3:.2f} ms ({comm / row['step_seconds']:.1%} of the step, predicted), the rest of the step "
-        f"runs {rest:.2f}x its ideal time: the limit is {cause}"
+        f"{efficiency}; of the {parts['lost'] * 1e3:.2f} ms lost per step: {shares} (the fit predicted "
+        f"{parts['predicted'] * 1e3:.2f} ms of all-reduces; control: 1 process x {control['threads']} thread(s), "
+        f"batch {control['batch_size_per_process']}); largest: {PART_NAMES[parts['largest']]}"
     )
 
 

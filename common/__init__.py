@@ -48,4 +48,9 @@ What a lesson builds or shows:
 - ``common.tensor_parallel`` (12): tensor parallelism by hand (Megatron-LM): the f and g autograd functions,
   column- and row-parallel linears, the MLP and self-attention split by heads, a transformer layer, torch's DTensor
   version, and the 2-D mesh of data-parallel replicas x tensor-parallel ranks.
+
+What the notebooks and benchmarks measure with them (timings, spawned experiments, plots), apart from the mechanism:
+
+- ``common.experiments``: per lesson, ``ddp_by_hand`` (08: a bucket timeline), ``compression`` (10: a hook called
+  on a bucket built by hand, error feedback's drift) and ``tensor_parallel`` (12: the notebook's measurements).
 """

@@ -18,7 +18,8 @@ Every step is cut into four labelled regions, ``REGIONS``, each inside ``torch.p
   https://ui.perfetto.dev, chrome://tracing and HTA open; ``check_profile_settings`` refuses, before training,
   settings that would leave no trace.
 - ``step_breakdowns`` reads a trace back: per step the regions, the communication, and the part of it that
-  nothing hid (exposed). ``bottleneck`` names the largest of data loading, exposed communication and compute.
+  nothing hid (exposed), and the computation's busy time. ``bottleneck`` names the largest of data loading,
+  exposed communication, compute and overhead (the rest: idle gaps, launches).
 - ``hta_breakdown``: Holistic Trace Analysis' view of GPU traces (HTA reads no CPU-only trace).
 """
 
@@ -150,6 +151,8 @@ def step_breakdowns(trace: dict) -> list[dict]:
       and waiting, outside the communication calls it encloses (``c10d::allreduce_`` enqueues an all-reduce, and
       the autograd node whose hook called it is not computing meanwhile); on a GPU: any kernel other than NCCL's.
     - ``overlap``: 1 - exposed / communication, the share of communication hidden (None without communication).
+    - ``compute_ms``: the time computation ran in the step (the union of its intervals, as above), outside the
+      data region; ``bottleneck`` calls what is left after data, exposed communication and this "overhead".
     - ``all_reduces``: on a CPU, ``c10d::allreduce_`` calls (DDP: one per bucket); on a GPU, NCCL AllReduce kernels.
     - ``device``: ``"cuda"`` when the trace holds kernels, else ``"cpu"``.
 
@@ -204,6 +207,11 @@ def step_breakdowns(trace: dict) -> list[dict]:
         row["exposed_communication_ms"] = (_length(communicating) - hidden) / 1000
         row["overlap"] = hidden / _length(communicating) if communicating else None
         # END LAB
+        # The computation's own busy time in the step, outside the data region (which data_ms counts): the step's
+        # time that is neither this, data nor exposed communication is idle gaps and overhead (launching kernels,
+        # Python between ops), which a wall clock alone cannot tell from computing.
+        data_region = [_interval(event) for event in step if event["name"] == "data"]
+        row["compute_ms"] = _length(_subtract(_union(_clip(computation, start, end)), data_region)) / 1000
         row["all_reduces"] = sum(start <= ts < end for ts in all_reduce_starts)
         row["device"] = "cuda" if on_gpu else "cpu"
         rows.append(row)
@@ -269,13 +277,20 @@ def mean_breakdown(rows: list[dict]) -> dict:
 
 
 def bottleneck(breakdown: dict) -> str:
-    """``"data loading"``, ``"communication"`` or ``"compute"``: which takes the most of a step. Communication
-    counts only where exposed; compute is the rest of the step. Takes a ``step_breakdowns`` row, their
-    ``mean_breakdown`` or ``StepRegions.summary()`` (no communication measured: 0)."""
+    """``"data loading"``, ``"communication"``, ``"compute"`` or ``"overhead"``: which takes the most of a step.
+
+    Communication counts only where exposed. With ``compute_ms`` (a ``step_breakdowns`` row or their
+    ``mean_breakdown``: the ops or kernels measured busy), compute is that, and overhead the rest of the step:
+    idle gaps, kernel launches, Python between ops, the device waiting for the host. Without it
+    (``StepRegions.summary()``: a wall clock, no communication measured either), compute is the whole rest of the
+    step, overhead included: the clock cannot tell them apart."""
     data = breakdown["data_ms"]
     communication = breakdown.get("exposed_communication_ms", 0.0)
-    compute = breakdown["step_ms"] - data - communication
-    parts = {"data loading": data, "communication": communication, "compute": compute}
+    rest = breakdown["step_ms"] - data - communication
+    parts = {"data loading": data, "communication": communication, "compute": rest}
+    if "compute_ms" in breakdown:
+        parts["compute"] = min(breakdown["compute_ms"], rest)
+        parts["overhead"] = rest - parts["compute"]
     return max(parts, key=parts.get)
 
 

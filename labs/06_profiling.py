@@ -94,6 +94,8 @@ def step_breakdowns(trace: dict) -> list[dict]:
       and waiting, outside the communication calls it encloses (``c10d::allreduce_`` enqueues an all-reduce, and
       the autograd node whose hook called it is not computing meanwhile); on a GPU: any kernel other than NCCL's.
     - ``overlap``: 1 - exposed / communication, the share of communication hidden (None without communication).
+    - ``compute_ms``: the time computation ran in the step (the union of its intervals, as above), outside the
+      data region; ``bottleneck`` calls what is left after data, exposed communication and this "overhead".
     - ``all_reduces``: on a CPU, ``c10d::allreduce_`` calls (DDP: one per bucket); on a GPU, NCCL AllReduce kernels.
     - ``device``: ``"cuda"`` when the trace holds kernels, else ``"cpu"``.
 
@@ -143,6 +145,11 @@ def step_breakdowns(trace: dict) -> list[dict]:
         # TODO: communication in the step, the part no computation hid
         # _clip to the window, _union the intervals, _covered: how much of one union lies inside another
         raise NotImplementedError("TODO: communication in the step, the part no computation hid")
+        # The computation's own busy time in the step, outside the data region (which data_ms counts): the step's
+        # time that is neither this, data nor exposed communication is idle gaps and overhead (launching kernels,
+        # Python between ops), which a wall clock alone cannot tell from computing.
+        data_region = [_interval(event) for event in step if event["name"] == "data"]
+        row["compute_ms"] = _length(_subtract(_union(_clip(computation, start, end)), data_region)) / 1000
         row["all_reduces"] = sum(start <= ts < end for ts in all_reduce_starts)
         row["device"] = "cuda" if on_gpu else "cpu"
         rows.append(row)

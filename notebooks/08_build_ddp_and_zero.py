@@ -46,7 +46,8 @@ if QUICK:
 # %%
 import matplotlib.pyplot as plt
 
-from common.ddp_by_hand import assign_buckets, bucket_timeline
+from common.ddp_by_hand import assign_buckets
+from common.experiments.ddp_by_hand import bucket_timeline
 from common.launch import launch, run_on_ranks
 from common.models import LeNet
 

@@ -44,8 +44,9 @@ import matplotlib.pyplot as plt
 import torch
 from IPython.display import Image, display
 
-from common.compression import compression_ratio, constant_gradient_drift, orthogonalize, powersgd_hook_by_hand
+from common.compression import compression_ratio, orthogonalize, powersgd_hook_by_hand
 from common.ddp import ddp_buckets
+from common.experiments.compression import constant_gradient_drift
 from common.launch import REPO, launch, run_on_ranks
 from common.models import LeNet
 from common.scaling import fit_all_reduce

@@ -23,7 +23,7 @@
 # against data parallelism's, one step's timeline, the throughput of one process, tensor and data parallelism on
 # the same processes, and solution 13 on a 2-D mesh. Every figure is measured on the machine that ran the notebook
 # (the committed outputs: 2 CPU cores, one process per core, gloo); `common.launch.run_on_ranks` starts the
-# processes, and the functions it runs are in `common/tensor_parallel.py`.
+# processes, and the functions it runs are in `common/experiments/tensor_parallel.py`.
 
 # %% tags=["parameters"]
 import os
@@ -44,16 +44,16 @@ import statistics
 
 import matplotlib.pyplot as plt
 
-from common.launch import in_turn, launch, run_on_ranks
-from common.reports import machine_summary
-from common.tensor_parallel import (
+from common.experiments.tensor_parallel import (
     block_stack,
     communication_per_step,
-    mlp_all_reduce_bytes,
     plot_step_timeline,
     sharded_against_full,
     time_steps,
 )
+from common.launch import in_turn, launch, run_on_ranks
+from common.reports import machine_summary
+from common.tensor_parallel import mlp_all_reduce_bytes
 
 block = block_stack(D_MODEL, HEADS, 1)[0]
 parameters = sum(p.numel() for p in block.parameters())
@@ -61,8 +61,9 @@ print(f"a TransformerBlock of d_model {D_MODEL}, {HEADS} heads, MLP hidden {4 * 
 print(f"split over {WORLD_SIZE} processes (gloo, one thread each) on {machine_summary()}")
 
 # %% [markdown]
-# Sections 1 to 5 show what three functions of `common/tensor_parallel.py` measure on every rank. They run here, one
-# after the other, in one group of processes (`in_turn`): starting a group costs seconds on this machine.
+# Sections 1 to 5 show what three functions of `common/experiments/tensor_parallel.py` measure on every rank. They
+# run here, one after the other, in one group of processes (`in_turn`): starting a group costs seconds on this
+# machine.
 
 # %%
 calls = [

@@ -10,8 +10,8 @@ of one tensor-parallel group train on the same batches: tensor parallelism split
 With ``--data-parallel R`` the processes form a 2-D mesh: R replicas of the model, each split over world_size / R
 processes, each replica on its own batches, the gradients averaged over the replicas (DDP over the data-parallel
 group by hand; FSDP2 over it with ``--tp torch``). The script prints the all-reduces of the first training step,
-checks at the end of every epoch that the replicated parameters are the same on every rank and the shards on every
-replica, and evaluates test accuracy.
+checks at the end of every epoch that every tensor several ranks hold is the same on each of them (``copies_in_sync``:
+each rank's own copy, no gather, and it says when no two ranks hold the same piece), and evaluates test accuracy.
 
     # CPU, 2 processes (gloo), digits: the blocks split by hand
     torchrun --standalone --nproc_per_node=2 solutions/13_tensor_parallel.py --dataset digits
@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -49,7 +50,7 @@ from common.checkpoint import unwrap
 from common.cli import positive_int
 from common.collectives import count_collectives
 from common.data import FirstBatches, load_data, make_loader
-from common.distributed import ConfigurationError, print0, process_group, replicas_in_sync, set_seed
+from common.distributed import ConfigurationError, print0, process_group, set_seed
 from common.metrics import evaluate
 from common.tensor_parallel import (
     TransformerBlock,
@@ -222,16 +223,71 @@ def counted_step(model, X, y, tp: str):
     return loss, step
 
 
+def same_on_every_rank(tensors, group) -> bool | None:
+    """True when each of ``tensors``, as this rank holds it, is bit for bit the same on every rank of ``group``;
+    False when a rank's differs; None when ``group`` has one rank, so that there is nothing to compare.
+
+    A DTensor is compared by its local tensor, never gathered first: after a gather every rank holds the same whole
+    tensor by construction, and the comparison could not fail. Every rank of ``group`` calls it (two all-reduces,
+    the element-wise maximum and minimum over the ranks, equal only when all copies are)."""
+    if dist.get_world_size(group) == 1:
+        return None
+    local = [tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in tensors]
+    flat = torch.cat([tensor.detach().reshape(-1) for tensor in local]).double()
+    highest, lowest = flat.clone(), flat.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    return bool(torch.equal(highest, lowest))
+
+
+def copies_in_sync(model: RowTransformer, mesh, tp: str) -> dict:
+    """Whether the ranks that hold the same piece of a parameter hold the same values, for the replicated modules
+    and for the split blocks: ``{"replicated": ..., "shards": ...}``, each True or None (no two ranks hold the same
+    piece: nothing to compare). Raises ``RuntimeError`` on every rank when copies differ on any.
+
+    Which ranks hold the same piece: by hand, the replicated modules are whole on every rank (compared over the
+    world) and a block's shard ``r`` is on the rank of every replica with tensor-parallel rank ``r`` (over
+    ``mesh["dp"]``: one rank when there is one replica). FSDP2 (``--tp torch`` with replicas) cuts every parameter
+    over the replicas: a replicated module's piece is held by the ranks of one tensor-parallel group (``mesh["tp"]``),
+    a split block's by one rank alone."""
+    fsdp = tp == "torch" and mesh["dp"].size() > 1
+    result = {
+        "replicated": same_on_every_rank(
+            list(model.replicated().parameters()), mesh["tp"].get_group() if fsdp else None
+        ),
+        "shards": None if fsdp else same_on_every_rank(list(model.split().parameters()), mesh["dp"].get_group()),
+    }
+    # Each rank compared over its own groups (a 2 x 2 mesh has two data-parallel groups): agree over the world, so
+    # that every rank raises, none left waiting for the others in its next collective.
+    device = next(model.parameters()).device
+    differ = torch.tensor([same is False for same in result.values()], dtype=torch.int32, device=device)
+    dist.all_reduce(differ, op=dist.ReduceOp.MAX)
+    if differ.any():
+        where = ", ".join(what for what, flag in zip(result, differ.tolist()) if flag)
+        raise RuntimeError(f"copies differ across the ranks that hold them: {where}")
+    return result
+
+
+def describe_copies(in_sync: dict) -> str:
+    """``copies_in_sync``'s answer in words: what was compared, or why nothing was."""
+    words = {
+        "replicated": "replicated parameters the same on every rank holding them",
+        "shards": "each shard the same on every replica",
+    }
+    return ", ".join(
+        f"{words[what]}: {'no two ranks hold the same piece' if same is None else same}"
+        for what, same in in_sync.items()
+    )
+
+
 def report(epoch, args, env, mesh, net, test_iter, train_loss, first_step, samples_per_second):
-    """Print and return the epoch's loss, the first step's all-reduces, whether the replicated
-    parameters are the same on every rank and each shard on every replica, and the test accuracy (every rank
-    computes the same outputs)."""
-    model = unwrap(net)
-    in_sync = replicas_in_sync(model.replicated())
-    shards_in_sync = replicas_in_sync(model.split(), group=mesh["dp"].get_group())
+    """Print and return the epoch's loss, the first step's all-reduces, ``copies_in_sync`` (which raises when
+    copies differ), and the test accuracy (every rank computes the same outputs)."""
+    in_sync = copies_in_sync(unwrap(net), mesh, args.tp)
     test = evaluate(net, test_iter, env.device)
-    row = {"train loss": train_loss, "test accuracy": test["accuracy"], "replicas in sync": in_sync, **first_step}
-    row["shards in sync"] = shards_in_sync
+    row = {"train loss": train_loss, "test accuracy": test["accuracy"], "replicas in sync": in_sync["replicated"]}
+    row |= first_step
+    row["shards in sync"] = in_sync["shards"]
     forward, backward = first_step["forward all-reduces"], first_step["backward all-reduces"]
     if args.tp == "by-hand":
         counted = f"{len(forward)} forward all-reduce(s) of {forward} bytes, {len(backward)} backward of {backward}"
@@ -240,8 +296,7 @@ def report(epoch, args, env, mesh, net, test_iter, train_loss, first_step, sampl
     print0(
         f"epoch {epoch + 1}/{args.epochs}: train loss {train_loss:.4f} | test accuracy {test['accuracy']:.2%} | "
         f"{samples_per_second:,.0f} samples/s | "
-        f"first step: {counted}; the formula: {first_step['formula bytes']} bytes each | "
-        f"replicated parameters the same on every rank: {in_sync}, shards on every replica: {shards_in_sync}"
+        f"first step: {counted}; the formula: {first_step['formula bytes']} bytes each | {describe_copies(in_sync)}"
     )
     return row
 

@@ -3,10 +3,10 @@
 One process group of 2 ranks does everything (``every_check``, one spawn for the module); the tests below only
 assert. Two kinds of runs:
 
-- the PowerSGD hook called directly on hand-made buckets (``common.compression.HandMadeBucket``: the five methods
-  of ``GradBucket`` a hook uses), with gradients the test knows on every rank: exact for a low-rank sum, equal to an
-  independent computation (QR, not Gram-Schmidt) for a general matrix, and the bytes of two buckets against the
-  formula;
+- the PowerSGD hook called directly on hand-made buckets (``common.experiments.compression.HandMadeBucket``: the
+  five methods of ``GradBucket`` a hook uses), with gradients the test knows on every rank: exact for a low-rank
+  sum, equal to an independent computation (QR, not Gram-Schmidt) for a general matrix, and the bytes of two
+  buckets against the formula;
 - DDP on a small conv net: the by-hand hooks against torch's ``allreduce_hook``, ``bf16_compress_hook`` and
   ``powerSGD_hook`` with the same settings (one bucket: torch's hook needs it on gloo), a run stopped and resumed
   from the hook's ``state_dict``, and the by-hand hook with several buckets.
@@ -25,7 +25,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.compression import (
-    HandMadeBucket,
     PowerSGDByHand,
     allreduce_hook_by_hand,
     bf16_compress_hook_by_hand,
@@ -33,6 +32,7 @@ from common.compression import (
     orthogonalize,
     powersgd_hook_by_hand,
 )
+from common.experiments.compression import HandMadeBucket
 from common.launch import run_on_ranks
 
 WORLD_SIZE, STEPS, BATCH, LR, SEED = 2, 6, 8, 0.1, 7

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import ddp_by_hand
 from common.collectives import count_collectives
 from common.ddp import ddp_buckets
 from common.ddp_by_hand import BucketedDDP, NaiveDDP, OverlappedDDP, assign_buckets
+from common.experiments.ddp_by_hand import bucket_timeline
 from common.launch import run_on_ranks
 from common.models import DeepMLP
 from tests.conftest import torchrun
@@ -175,9 +175,58 @@ def properties(env) -> dict:
     return results
 
 
+def hook_rows(rank: int):
+    """Rank ``rank``'s own rows for the register_hook checks: 8 samples of 6 features and their classes."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(BATCH, 6, generator=generator), torch.randint(0, 3, (BATCH,), generator=generator)
+
+
+def hook_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def register_hook_data_parallel(env) -> dict:
+    """picotron's naive data parallelism: every parameter's ``Tensor.register_hook`` all-reduces the hook's
+    ARGUMENT (this backward's gradient, before autograd accumulates it), blocking, divides it by the world size and
+    returns it, which autograd accumulates into ``.grad`` instead. Both ways of doing it: in place on the argument,
+    as picotron does, and on a copy, as ``register_hook``'s documentation asks (a hook should not modify its
+    argument). Each rank backpropagates its own rows once: its gradients, and the collectives the hooks made."""
+    world_size = dist.get_world_size()
+
+    def in_place(grad):
+        dist.all_reduce(grad)  # blocking: the sum is there when the hook returns
+        grad /= world_size
+        return grad
+
+    def on_a_copy(grad):
+        total = grad.clone()
+        dist.all_reduce(total)
+        return total / world_size
+
+    results = {}
+    for name, hook in (("in place", in_place), ("on a copy", on_a_copy)):
+        net = hook_net()
+        for parameter in net.parameters():
+            parameter.register_hook(hook)
+        X, y = hook_rows(env.rank)
+        with count_collectives() as log:
+            F.cross_entropy(net(X), y).backward()
+        results[name] = {
+            "grads": {name: p.grad.clone() for name, p in net.named_parameters()},
+            "calls": [[call.name, call.async_op, call.bytes] for call in log.calls],
+        }
+    return results
+
+
 def ranks(env) -> dict:
-    timeline = ddp_by_hand.bucket_timeline(env, bucket_cap_mb=0.25, width=256, depth=3, batch_size=16)
-    return {"equivalence": equivalence(env), "properties": properties(env), "timeline": timeline}
+    timeline = bucket_timeline(env, bucket_cap_mb=0.25, width=256, depth=3, batch_size=16)
+    return {
+        "equivalence": equivalence(env),
+        "properties": properties(env),
+        "timeline": timeline,
+        "register_hook": register_hook_data_parallel(env),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +288,44 @@ def test_the_tied_weights_hook_fires_once_per_backward_with_the_gradient_of_both
     tied = results[0]["properties"]["tied hook"]
     assert len(tied["calls"]) == 1
     torch.testing.assert_close(tied["calls"][0], tied["final"], rtol=0, atol=0)
+
+
+def test_inside_a_register_hook_p_grad_is_not_yet_this_backwards_gradient():
+    """Two backwards without zero_grad, on different rows: in the first the hook sees ``p.grad`` None, in the second
+    the first backward's gradient; its argument is this backward's, which autograd adds to ``.grad`` afterwards."""
+    net, seen = hook_net(), []
+    weight = net[0].weight
+
+    def note(grad):  # copies: autograd adds to .grad in place once the hook returns
+        seen.append({"p.grad": None if weight.grad is None else weight.grad.clone(), "argument": grad.clone()})
+
+    weight.register_hook(note)
+    X, y = hook_rows(0)
+    for half in range(2):
+        F.cross_entropy(net(X[half::2]), y[half::2]).backward()
+    first, second = seen
+    assert first["p.grad"] is None  # nothing accumulated yet: all-reducing p.grad here would fail on None
+    torch.testing.assert_close(second["p.grad"], first["argument"], rtol=0, atol=0)  # the previous backward's
+    assert not torch.allclose(second["p.grad"], second["argument"])  # not this backward's
+    torch.testing.assert_close(weight.grad, first["argument"] + second["argument"])  # accumulated after the hook
+
+
+@pytest.mark.timeout(120)
+def test_a_blocking_all_reduce_of_the_hooks_argument_returned_from_register_hook_averages_the_gradients(results):
+    """picotron's naive data parallelism is right: each rank's gradient is the mean of the ranks' gradients on their
+    own rows (computed here, in one process), from one blocking all-reduce per parameter, in place or on a copy."""
+    reference = {}
+    for rank in range(len(results)):
+        net = hook_net()
+        F.cross_entropy(net(hook_rows(rank)[0]), hook_rows(rank)[1]).backward()
+        for name, p in net.named_parameters():
+            reference[name] = reference.get(name, 0) + p.grad / len(results)
+    sizes = [p.numel() * p.element_size() for p in hook_net().parameters()]
+    for rank in results:
+        for name, run in rank["register_hook"].items():
+            torch.testing.assert_close(run["grads"], reference, msg=name)
+            # one blocking all-reduce per parameter, of its gradient's bytes
+            assert sorted(run["calls"]) == sorted(["all_reduce", False, size] for size in sizes), name
 
 
 def test_naive_ddp_starts_one_blocking_all_reduce_per_trainable_parameter(results):

@@ -194,6 +194,8 @@ def test_a_hand_made_cpu_trace_gives_the_intervals_worked_out_by_hand():
             "communication_ms": 0.034,
             "exposed_communication_ms": 0.017,
             "overlap": 17 / 34,
+            # the main thread's computation outside the data region (0-10): 12-28, 32-45, 48-50, 55-70, 91-99
+            "compute_ms": 0.054,
             "all_reduces": 2,
             "device": "cpu",
         }
@@ -202,7 +204,9 @@ def test_a_hand_made_cpu_trace_gives_the_intervals_worked_out_by_hand():
     assert second["step_ms"] == pytest.approx(0.060) and second["other_ms"] == pytest.approx(0)
     assert second["communication_ms"] == pytest.approx(0.005)
     assert second["exposed_communication_ms"] == pytest.approx(0.003)
-    assert second["all_reduces"] == 0
+    assert second["all_reduces"] == 0 and second["compute_ms"] == pytest.approx(0.002)
+    # 100 us: 10 data, 17 exposed, 54 computing; the other 19 idle between ops, which is less than computing
+    assert bottleneck(first) == "compute"
     mean = mean_breakdown([first, second])
     assert mean["steps"] == 2 and mean["step_ms"] == pytest.approx(0.080)
     assert mean["overlap"] == pytest.approx(1 - 0.010 / 0.0195)  # from the means, not a mean of ratios
@@ -245,6 +249,7 @@ def test_a_hand_made_gpu_trace_gives_the_intervals_worked_out_by_hand_and_hta_ag
             "communication_ms": 0.040,
             "exposed_communication_ms": 0.025,
             "overlap": 15 / 40,
+            "compute_ms": 0.060,  # the kernels other than NCCL's: 12-28, 35-60, 85-104
             "all_reduces": 1,
             "device": "cuda",
         }
@@ -256,7 +261,7 @@ def test_a_hand_made_gpu_trace_gives_the_intervals_worked_out_by_hand_and_hta_ag
     (tmp_path / "compressed.json.gz").unlink()  # HTA reads every trace in the folder: one per rank
     hta = hta_breakdown(tmp_path)
     assert hta[0]["comp_comm_overlap_pctg"] == pytest.approx(100 * row["overlap"], abs=0.01)
-    assert hta[0]["compute_time(us)"] == 16 + 25 + 19
+    assert hta[0]["compute_time(us)"] == 16 + 25 + 19 == 1000 * row["compute_ms"]
 
 
 @pytest.mark.parametrize(
@@ -331,6 +336,17 @@ def test_bottleneck_names_the_largest_of_data_exposed_communication_and_compute(
     assert bottleneck({**step, "data_ms": 1.0, "exposed_communication_ms": 3.0}) == "compute"  # 6 ms compute
     assert bottleneck({**step, "data_ms": 4.0}) == "compute"  # StepRegions.summary(): no communication key
     assert bottleneck({**step, "data_ms": 6.0}) == "data loading"
+
+
+def test_bottleneck_names_overhead_when_idle_gaps_take_more_than_the_computation():
+    """A trace's breakdown of a 10 ms step: 1 ms data, 1 ms exposed communication, the computation busy 2 ms. The
+    other 6 ms ran nothing (a GPU waiting for the host to launch its kernels): overhead, not compute, which is what
+    the rest of the step was called before compute_ms was measured."""
+    step = {"step_ms": 10.0, "data_ms": 1.0, "exposed_communication_ms": 1.0}
+    assert bottleneck({**step, "compute_ms": 2.0}) == "overhead"
+    assert bottleneck({**step, "compute_ms": 5.0}) == "compute"  # busy 5 ms, idle 3
+    assert bottleneck(step) == "compute"  # a wall clock only: it cannot tell the two apart
+    assert bottleneck({**step, "compute_ms": 9.0}) == "compute"  # more busy time than the rest: capped, not negative
 
 
 def test_plot_breakdown_writes_a_png(runs, tmp_path):

@@ -233,6 +233,31 @@ def two_d_checks(env):
     }
 
 
+def corrupted_copies(env):
+    """Solution 13's ``copies_in_sync`` on its model split as the script splits it, with world size / 2 replicas of
+    2 tensor-parallel ranks, by hand and by torch: untouched, then with the last rank's copy of a replicated
+    parameter changed, then (by hand) its shard of the MLP: what the check returns, or the error it raises."""
+    solution = load_script(REPO / "solutions" / "13_tensor_parallel.py")
+    mesh = data_and_tensor_parallel_mesh("cpu", TP_SIZE)
+    outcomes = {}
+    for tp, shard in (("by-hand", solution.shard_by_hand), ("torch", solution.shard_with_torch)):
+        for corrupted in (None, "embed.weight", "layer.mlp.up.weight"):
+            if tp == "torch" and corrupted == "layer.mlp.up.weight":
+                continue  # FSDP2 or not, no other rank holds this rank's piece of it: nothing to corrupt against
+            torch.manual_seed(0)
+            model = solution.RowTransformer(10)
+            shard(model, mesh, env)
+            if corrupted and env.rank == env.world_size - 1:
+                parameter = model.get_parameter(corrupted)
+                with torch.no_grad():  # this rank's own copy: a DTensor's local piece, a plain tensor itself
+                    (parameter.to_local() if hasattr(parameter, "to_local") else parameter).add_(1.0)
+            try:
+                outcomes[tp, corrupted] = solution.copies_in_sync(model, mesh, tp)
+            except RuntimeError as error:
+                outcomes[tp, corrupted] = str(error)
+    return {f"{tp} {corrupted}": outcome for (tp, corrupted), outcome in outcomes.items()}
+
+
 def every_check(env):
     """Everything the tests assert on, from one process group."""
     return {
@@ -243,6 +268,7 @@ def every_check(env):
         "trained": train(TensorParallelMLP.from_full(full_mlp(), env.rank, env.world_size)),
         "torch": torch_checks(env),
         "two_d": two_d_checks(env) if env.world_size == 4 else None,
+        "corrupted_copies": corrupted_copies(env),
     }
 
 
@@ -428,8 +454,9 @@ def test_solution_13_on_a_2x2_mesh_keeps_the_shards_in_sync_and_its_two_versions
     _, ranks = results
     for result in ranks:
         runs = result["two_d"]["script_runs"]
-        for tp, run in runs.items():
-            assert run["replicas in sync"] is True and run["shards in sync"] is True, tp
+        # By hand each shard is on both replicas; FSDP2 (torch) keeps one copy of each piece: nothing to compare.
+        assert runs["by-hand"]["replicas in sync"] is True and runs["by-hand"]["shards in sync"] is True
+        assert runs["torch"]["replicas in sync"] is True and runs["torch"]["shards in sync"] is None
         # Per rank and step, two blocks: one all-reduce forward (g) and one backward (f) each, of the
         # (batch, rows, d_model) activation; by hand and by torch (CommDebugMode counts calls only).
         assert runs["by-hand"]["forward all-reduces"] == runs["by-hand"]["backward all-reduces"]
@@ -440,6 +467,26 @@ def test_solution_13_on_a_2x2_mesh_keeps_the_shards_in_sync_and_its_two_versions
         assert runs["by-hand"]["test accuracy"] == runs["torch"]["test accuracy"]
     # The two ranks of replica 0 computed the same.
     assert ranks[0]["two_d"]["script_runs"] == ranks[1]["two_d"]["script_runs"]
+
+
+@pytest.mark.timeout(120)
+def test_solution_13s_sync_checks_compare_only_what_could_differ_and_fail_when_one_rank_differs(results):
+    """One replica (world 2): no rank shares a shard with another, and the check says so (None) instead of comparing
+    a rank with itself. Two replicas (world 4): by hand the shards are compared across the replicas; FSDP2's
+    replicated pieces across the tensor-parallel ranks that hold them, before any gather. Whatever one rank changes
+    in a piece that another rank also holds, every rank raises."""
+    world_size, ranks = results
+    replicas = world_size // TP_SIZE
+    for result in ranks:
+        outcomes = result["corrupted_copies"]
+        assert outcomes["by-hand None"] == {"replicated": True, "shards": True if replicas > 1 else None}
+        assert outcomes["torch None"] == {"replicated": True, "shards": None}
+        for tp in ("by-hand", "torch"):
+            assert outcomes[f"{tp} embed.weight"] == "copies differ across the ranks that hold them: replicated", tp
+        if replicas > 1:
+            assert outcomes["by-hand layer.mlp.up.weight"] == "copies differ across the ranks that hold them: shards"
+        else:  # rank 1's shard is the only copy of it: there is nothing it could differ from
+            assert outcomes["by-hand layer.mlp.up.weight"] == {"replicated": True, "shards": None}
 
 
 def test_a_row_split_first_linear_would_need_the_sum_before_the_gelu():

@@ -6,7 +6,7 @@ Runs against solutions/11_powersgd.py; with LAB_TARGET=labs, against your labs/1
 
 The lab file is loaded inside each spawned process (by path), since a process can only run what it imports. One
 spawn of 2 ranks does everything; the tests below assert on what it returns. The hand-made buckets are
-common.compression.HandMadeBucket; the gradients and the small conv net are tests/test_compression.py's.
+common.experiments.compression.HandMadeBucket; the gradients and the small conv net are tests/test_compression.py's.
 """
 
 import json
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from common.compression import HandMadeBucket, constant_gradient_drift
+from common.experiments.compression import HandMadeBucket, constant_gradient_drift
 from common.launch import run_on_ranks
 from tests.labs import load_lab
 from tests.test_compression import (
