@@ -12,8 +12,6 @@ What every script uses:
 - ``common.metrics``: exact distributed evaluation, a run's summary and its JSON file, timing.
 - ``common.reports``: what the measuring solutions write for people to read: tables, JSON and plots.
 - ``common.checkpoint``: atomic, rank-0-only checkpoints, loaded with ``weights_only``.
-- ``common.experiments``: what notebooks and benchmarks run around a lesson's mechanism (timing harnesses,
-  spawned experiments, plots), a module per lesson: ``common.experiments.pipeline`` (11).
 
 What a lesson builds or shows:
 
@@ -34,8 +32,6 @@ What a lesson builds or shows:
 - ``common.debugging`` (07): collectives that ranks get wrong, and what ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` says.
 - ``common.ddp_by_hand`` (08): DDP built by hand: naive, overlapped with gradient hooks, bucketed.
 - ``common.zero_by_hand`` (08): ZeRO built by hand: sharded optimizer state (1), gradients (2), parameters (3).
-- ``common.experiments``: the notebooks' and benchmarks' harness, one module per lesson: spawned experiment
-  functions, measurements, timing (``common.experiments.zero``, 08: live tensor bytes, ZeRO's memory and time).
 - ``common.profiling`` (09): a training step in labelled regions, the profiler's traces (one per rank) and their
   breakdown: compute, communication, what backward hid of it, the bottleneck; HTA on GPU traces.
 - ``common.data_loading`` (09): a data pipeline that starves training (PNG files, per-sample decode), and the
@@ -51,6 +47,8 @@ What a lesson builds or shows:
 
 What the notebooks and benchmarks measure with them (timings, spawned experiments, plots), apart from the mechanism:
 
-- ``common.experiments``: per lesson, ``ddp_by_hand`` (08: a bucket timeline), ``compression`` (10: a hook called
-  on a bucket built by hand, error feedback's drift) and ``tensor_parallel`` (12: the notebook's measurements).
+- ``common.experiments``: one module per lesson: ``ddp_by_hand`` (08: a bucket timeline), ``zero`` (08: live
+  tensor bytes, ZeRO's memory per phase and ZeRO-3's time with and without prefetch), ``compression`` (10: a hook
+  called on a bucket built by hand, error feedback's drift), ``pipeline`` (11: timed schedules, gradients against
+  ``torch.distributed.pipelining``, the timeline plot) and ``tensor_parallel`` (12: the notebook's measurements).
 """
