@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from common.cli import argument_parser, positive_int
 from common.data import load_data
 from common.models import LeNet
+from common.reports import run_header
 
 BATCH_SIZE, LR, MOMENTUM = 64, 0.05, 0.9
 
@@ -107,6 +108,7 @@ def training_drift(micro_steps: int, steps: int, report_at) -> list[dict]:
 def main(args):
     torch.set_num_threads(args.threads)  # fixed, so that a rerun rounds the same way
     first = one_step_difference(args.micro_steps)
+    print(run_header(), flush=True)
     print(
         f"LeNet on digits, batch {BATCH_SIZE}: one backward against {args.micro_steps} micro-batches of "
         f"{BATCH_SIZE // args.micro_steps}, PyTorch {torch.__version__}, CPU, {args.threads} thread(s)"

@@ -35,6 +35,7 @@ from common.cli import argument_parser, parse_size, positive_int
 from common.collectives import count_messages, exchange, naive_all_reduce, ring_all_reduce
 from common.distributed import BACKENDS, print0, setup_distributed, teardown_distributed
 from common.metrics import slowest_rank_seconds
+from common.reports import run_header
 
 ALGORITHMS = {"naive": naive_all_reduce, "ring": ring_all_reduce, "dist.all_reduce": dist.all_reduce}
 
@@ -103,6 +104,7 @@ def main(args):
         rank, world_size, device = env.rank, env.world_size, env.device
         if world_size < 2:
             raise SystemExit("error: run with at least 2 processes (torchrun --nproc_per_node=2 ...)")
+        print0(run_header())
         print0(
             f"{world_size} processes, backend {env.backend}, device {device.type}, "
             f"{torch.get_num_threads()} thread(s) per process, PyTorch {torch.__version__}; float32 tensors"

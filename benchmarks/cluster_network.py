@@ -237,13 +237,13 @@ def part_tp(report: dict, rounds: int = 3) -> list[str]:
 
 
 def main(args) -> None:
-    from common.reports import machine_summary
+    from common.reports import run_header
 
     head = [
-        machine_summary(),
+        f"{run_header()} (this run; each part below is dated by its own run)",
         "two emulated nodes (scripts/cluster.py): network namespaces on a bridge, each link capped by tbf",
     ]
-    print("\n".join(head), flush=True)
+    print("\n".join(head), flush=True)  # run_header(): where and when
     # With --out, the parts not run now keep their earlier sections: each section names its own command and date.
     sections = read_sections(args.out) if args.out else {}
     report = json.loads(args.out.with_suffix(".json").read_text()) if args.out and sections else {}

@@ -32,6 +32,7 @@ from common.data import make_loader
 from common.data_loading import LOADER_LADDER, READ_LATENCY_MS, image_folder_splits, measure_loader
 from common.distributed import BACKENDS, all_reduce_mean, all_reduce_sum, is_main, print0, process_group, set_seed
 from common.models import LeNet
+from common.reports import run_header
 
 
 def parse_args(argv=None):
@@ -119,6 +120,7 @@ def main(args):
             f"DDP(LeNet), {env.world_size} rank(s), {env.backend} on {env.device.type}, batch {args.batch_size} "
             f"per rank; {args.read_latency_ms:g} ms storage latency per file"
         )
+        print0(run_header())
         print0(title)
         print0(
             f"{'rung':<38} {'workers':>7} {'samples/s':>9} {'data ms':>8} {'compute ms':>10} "

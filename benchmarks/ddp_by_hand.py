@@ -26,6 +26,7 @@ from common.ddp_by_hand import BucketedDDP, NaiveDDP, OverlappedDDP
 from common.distributed import BACKENDS, is_main, print0, setup_distributed, teardown_distributed
 from common.metrics import slowest_rank_seconds
 from common.models import DeepMLP
+from common.reports import run_header
 
 
 def parse_args(argv=None):
@@ -125,6 +126,7 @@ def main(args):
             f"{parameters * 4 / 2**20:.1f} MiB of gradients; {env.world_size} processes, {env.backend} on "
             f"{env.device.type}, batch {args.batch_size} per rank; median of {args.rounds} rounds of {args.steps} steps"
         )
+        print0(run_header())
         print0(title)
         print0(f"{'build':>10} {'cap MiB':>8} {'all-reduces':>11} {'ms/step':>8} {'samples/s':>10} {'vs torch':>8}")
         rows = []

@@ -45,6 +45,7 @@ from common.distributed import process_group
 from common.launch import run_for_json
 from common.metrics import write_json
 from common.models import MODELS
+from common.reports import run_header
 from common.scaling import (
     bucket_bytes,
     fit_alpha_beta,
@@ -150,6 +151,7 @@ def main(args):
         f"solutions/01_ddp_basic.py --dataset {args.dataset} --model {args.model} --epochs {args.epochs}; "
         f"{threads}{'; GPUs hidden' if args.cpu else ''}"
     )
+    print(run_header(), flush=True)
     print(setup)
     modes = ["weak", "strong"] if args.mode == "both" else [args.mode]
     counts = sorted(set(args.nproc))  # the smallest first: it is every speed-up's baseline

@@ -22,6 +22,7 @@ from common.distributed import is_main, print0, setup_distributed, teardown_dist
 from common.fsdp import STRATEGIES, measure_model_state
 from common.memory import zero_bytes_per_rank
 from common.models import DeepMLP
+from common.reports import run_header
 
 ZERO_STAGE = {"ddp": 0, "zero1": 1, "fsdp-grad-op": 2, "fsdp-full": 3, "fsdp-full-root-resharded": 3}
 MIB = 2**20
@@ -46,6 +47,7 @@ def main(args):
             f"DeepMLP width {args.width} depth {args.depth} ({num_parameters / 1e6:.1f} M parameters), batch "
             f"{args.batch_size} per rank, one Adam step, {env.world_size} rank(s), {env.backend} on {where}"
         )
+        print0(run_header())
         print0(setup)
         print0(
             f"{'strategy':>24} {'params MiB':>10} {'grads MiB':>9} {'Adam MiB':>8} {'total MiB':>9} "

@@ -23,6 +23,7 @@ from common.collectives import AllReduceCounter
 from common.distributed import BACKENDS, print0, set_seed, setup_distributed, teardown_distributed
 from common.metrics import synchronize
 from common.models import MODELS
+from common.reports import run_header
 
 
 def parse_args(argv=None):
@@ -65,6 +66,7 @@ def main(args):
         counter = AllReduceCounter.attach(net)
         optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
         parameters = sum(p.numel() for p in net.parameters())
+        print0(run_header())
         print0(
             f"{args.model} ({parameters / 1e6:.2f} M parameters), {env.world_size} process(es), {env.backend} on "
             f"{env.device.type}, {args.accum_steps} micro-steps of {args.batch_size} per effective step"

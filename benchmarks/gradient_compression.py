@@ -38,7 +38,7 @@ from pathlib import Path
 from common.cli import argument_parser, positive_float, positive_int
 from common.launch import run_for_json
 from common.metrics import write_json
-from common.reports import plot_accuracy_curves
+from common.reports import plot_accuracy_curves, run_header
 
 SCRIPT = "solutions/11_powersgd.py"
 DATASET, MODEL = "digits", "mlp"
@@ -179,6 +179,7 @@ def plot(runs_by_config: dict[str, list[dict]], path: Path, args) -> None:
 
 
 def main(args):
+    print(run_header(), flush=True)
     print(
         f"{SCRIPT}: {DATASET}, {MODEL}, {args.nproc} processes, {args.epochs} epoch(s), batch {args.batch_size} per "
         f"process, lr {args.lr}, PowerSGD from step 10; seeds {' '.join(map(str, args.seeds))}; "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from common.cli import argument_parser
 from common.launch import launch
+from common.reports import run_header
 
 DIGITS_TRAIN_SIZE = 1438
 
@@ -83,6 +84,7 @@ def main(args):
         (f"{k}x batch, {k}x lr", k, k * args.lr, 0),
         (f"{k}x batch, {k}x lr, warm-up", k, k * args.lr, args.warmup_epochs * steps_per_epoch),
     ]
+    print(run_header(), flush=True)
     print(
         f"digits, {args.nproc} processes, {args.batch_size} per process and micro-step, {args.epochs} epochs, "
         f"seed {args.seed}"

@@ -35,6 +35,7 @@ from common.memory import memory_kind, peak_memory_mib, reset_peak_memory
 from common.metrics import synchronize
 from common.models import MODELS
 from common.precision import PRECISIONS, check_precision
+from common.reports import run_header
 
 WARMUP_STEPS = 2
 # fp32 tensors with TF32 tensor-core arithmetic: not an autocast dtype, a setting of the matmul and conv backends
@@ -178,6 +179,7 @@ def main(args):
         f"{args.rounds} round(s), one process on {where}, PyTorch {torch.__version__}; "
         f"peak = {memory_kind(device)}"
     )
+    print(run_header(), flush=True)
     print(setup, flush=True)
     if device.type == "cpu":
         print(describe_cpu(), flush=True)

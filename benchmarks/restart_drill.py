@@ -25,6 +25,7 @@ from pathlib import Path
 
 from common.cli import argument_parser
 from common.launch import REPO
+from common.reports import run_header
 
 SOLUTION = REPO / "solutions" / "05_multi_node.py"
 VARIABLE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -132,6 +133,7 @@ def main(args) -> int:
     command = drill_command()
     if args.without_variable:
         command = without_variable(command)
+    print(run_header(), flush=True)
     print(f"fault drill, {args.runs} run(s), each in a fresh folder:\n  {command}", flush=True)
     passes = 0
     for run in range(1, args.runs + 1):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from common.cli import argument_parser, positive_int
 from common.metrics import synchronize
 from common.models import MODELS
+from common.reports import run_header
 
 VARIANTS = ("no skip count", "get_scale after update", "get_scale before and after")
 
@@ -104,6 +105,7 @@ def main(args):
         for _ in range(3):  # warm-up: kernels chosen, gradients and momentum allocated
             steps[variant]()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(run_header(), flush=True)
     print(
         f"{args.model}, batch {args.batch_size}, GradScaler, forward in "
         f"{'fp16' if device.type == 'cuda' else 'fp32'}, SGD (non-fused), one process on {where}, "

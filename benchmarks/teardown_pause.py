@@ -21,6 +21,7 @@ import statistics
 import time
 
 from common.launch import launch
+from common.reports import run_header
 
 PAUSE_VARIABLE = "TEARDOWN_PAUSE_BENCHMARK"  # "1": teardown_distributed; "0": destroy_process_group alone
 CONDITIONS = {"with pause": "1", "without": "0"}
@@ -97,6 +98,7 @@ def report(outcomes: dict, seconds: dict) -> None:
 
 
 def main(args):
+    print(run_header(), flush=True)
     print(
         f"{args.nproc} processes per run, gloo on CPU, {args.steps} DDP steps then replicas_in_sync, "
         f"conditions alternating run by run",

@@ -14,7 +14,6 @@ Time: ZeRO-3's step with prefetch (each unit's all-gather started while the unit
 ``DeepMLP(--time-width, --time-depth)``, the two taking turns; the median round on the slowest rank.
 """
 
-import datetime
 import statistics
 
 import torch.distributed as dist
@@ -24,7 +23,7 @@ from common.distributed import BACKENDS, print0, setup_distributed, teardown_dis
 from common.experiments.zero import BUILDS, STAGE_OF_BUILD, phase_peaks, zero3_step_seconds
 from common.memory import zero_bytes_per_rank
 from common.models import DeepMLP
-from common.reports import machine_summary
+from common.reports import run_header
 
 
 def parse_args(argv=None):
@@ -44,8 +43,7 @@ def parse_args(argv=None):
 def main(args):
     env = setup_distributed(args.backend)
     try:
-        date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        print0(f"{machine_summary()}; {env.world_size} processes, {env.backend}; {date}")
+        print0(f"{run_header()}; {env.world_size} processes, {env.backend}")
         peaks = phase_peaks(env, args.width, args.depth, args.batch_size, args.bucket_cap_mb)
         every_rank = [None] * env.world_size
         dist.all_gather_object(every_rank, peaks)

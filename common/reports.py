@@ -11,6 +11,7 @@
 Plots use ``matplotlib.figure.Figure`` directly, not ``pyplot``: nothing to display, no global figure state.
 """
 
+import datetime
 import os
 import platform
 from pathlib import Path
@@ -159,3 +160,9 @@ def machine_summary() -> str:
     gpus = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
     devices = f"{cpu}, {cores} CPU cores" + (f", GPUs: {', '.join(gpus)}" if gpus else "")
     return f"{devices}; PyTorch {torch.__version__}"
+
+
+def run_header() -> str:
+    """Where and when a measurement ran, as a benchmark's first line: ``machine_summary()`` and the UTC time."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return f"{machine_summary()}; {now:%Y-%m-%d %H:%M} UTC"

@@ -3,6 +3,7 @@ every figure in a lesson is printed in a committed output or derived, in the les
 
 import collections
 import json
+import re
 
 import pytest
 
@@ -118,3 +119,21 @@ def test_the_list_of_unsourced_figures_only_shrinks(tmp_path, monkeypatch):
     lesson.write_text("It took 32.42 ms and 2.75 s.\n")  # a new figure with no source: refused, the list untouched
     assert provenance.shrink_list() == 1
     assert json.loads(listed.read_text())["lessons"] == {"99_demo.md": {"32.42": 1}}
+
+
+def test_every_benchmark_prints_where_and_when_it_ran_before_its_figures():
+    # its first print, in main, carries common.reports.run_header(): machine_summary() and the UTC time
+    silent = []
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        main = path.read_text().split("\ndef main", 1)[-1]
+        first_print = re.search(r"^\s+print0?\((.*)$", main, flags=re.MULTILINE)
+        if first_print is None or "run_header()" not in first_print.group(1):
+            silent.append(path.name)
+    assert silent == []
+
+
+def test_the_run_header_names_the_cpu_its_cores_pytorch_and_the_utc_time():
+    from common.reports import run_header
+
+    header = run_header()
+    assert re.fullmatch(r".+, \d+ CPU cores(, GPUs: .+)?; PyTorch \S+; \d{4}-\d\d-\d\d \d\d:\d\d UTC", header), header
