@@ -163,6 +163,8 @@ def machine_summary() -> str:
 
 
 def run_header() -> str:
-    """Where and when a measurement ran, as a benchmark's first line: ``machine_summary()`` and the UTC time."""
+    """Where and when a measurement ran, as a benchmark's or notebook's first line: ``machine_summary()``, the UTC
+    time, and the load average (1, 5, 15 minutes): on 2 cores, one other busy process halves a timing."""
     now = datetime.datetime.now(datetime.timezone.utc)
-    return f"{machine_summary()}; {now:%Y-%m-%d %H:%M} UTC"
+    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+    return f"{machine_summary()}; {now:%Y-%m-%d %H:%M} UTC; load average {load}"

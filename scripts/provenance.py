@@ -30,7 +30,6 @@ the date and the command itself::
 
 import argparse
 import collections
-import datetime
 import json
 import os
 import re
@@ -258,17 +257,14 @@ def machine_folder() -> str:
 
 def record(name: str, command: list[str], timeout: float) -> Path:
     """Run ``command`` from the repository's root; write its output, headed by where and when, to results/."""
-    from common.reports import machine_summary
+    from common.reports import run_header
 
-    started = datetime.datetime.now(datetime.timezone.utc)
+    header = f"{run_header()}\n$ {shlex.join(command)}\n"  # taken before the run: the load it started under
     run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if run.returncode != 0:
         raise ProvenanceError(f"$ {shlex.join(command)} failed ({run.returncode}):\n{run.stderr[-2000:]}")
     path = REPO / "results" / machine_folder() / f"{name}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The load says whether the machine was quiet: on 2 cores, another job halves a timing.
-    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
-    header = f"{machine_summary()}; {started:%Y-%m-%d %H:%M} UTC; load average {load}\n$ {shlex.join(command)}\n"
     path.write_text(header + run.stdout)
     return path
 

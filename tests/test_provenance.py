@@ -136,4 +136,12 @@ def test_the_run_header_names_the_cpu_its_cores_pytorch_and_the_utc_time():
     from common.reports import run_header
 
     header = run_header()
-    assert re.fullmatch(r".+, \d+ CPU cores(, GPUs: .+)?; PyTorch \S+; \d{4}-\d\d-\d\d \d\d:\d\d UTC", header), header
+    when = r"\d{4}-\d\d-\d\d \d\d:\d\d UTC; load average \d+\.\d, \d+\.\d, \d+\.\d"
+    assert re.fullmatch(r".+, \d+ CPU cores(, GPUs: .+)?; PyTorch \S+; " + when, header), header
+
+
+@pytest.mark.parametrize("notebook", sorted((REPO / "notebooks").glob("*.ipynb")), ids=lambda path: path.stem)
+def test_every_notebook_says_where_and_when_its_committed_outputs_were_printed(notebook):
+    cells = [cell for cell in json.loads(notebook.read_text())["cells"] if cell["cell_type"] == "code"]
+    first = "".join(provenance._printed(output) for output in cells[0].get("outputs", []))
+    assert re.search(r"CPU cores.*; PyTorch \S+;.*\d{4}-\d\d-\d\d \d\d:\d\d UTC", first), first or "no output"
