@@ -30,6 +30,13 @@ NUM_EPOCHS = 3 if QUICK else 20
 BATCH_SIZE, LR = 64, 0.5
 NPROC = 4  # processes for the bandwidth benchmark
 
+import datetime
+
+from common.reports import machine_summary
+
+settings = "quick settings (COURSE_QUICK=1)" if QUICK else "full settings"
+print(f"{machine_summary()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {settings}")
+
 # %%
 import inspect
 

@@ -30,6 +30,13 @@ NPROC = 2  # DDP processes in the comparison (on a GPU machine: the number of GP
 MODEL = "lenet"  # the lesson's CPU command; on a machine with GPUs, try "simplecnn" too
 STEPS = 3 if QUICK else 20
 
+import datetime
+
+from common.reports import machine_summary
+
+settings = "quick settings (COURSE_QUICK=1)" if QUICK else "full settings"
+print(f"{machine_summary()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {settings}")
+
 # %%
 import platform
 from pathlib import Path

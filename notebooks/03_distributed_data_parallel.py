@@ -28,6 +28,13 @@ QUICK = os.environ.get("COURSE_QUICK") == "1"  # the test suite sets this for a 
 NPROC = 2  # processes for the training run: one per GPU, or CPU processes
 EPOCHS = 1 if QUICK else 5
 
+import datetime
+
+from common.reports import machine_summary
+
+settings = "quick settings (COURSE_QUICK=1)" if QUICK else "full settings"
+print(f"{machine_summary()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {settings}")
+
 # %%
 import json
 import subprocess
