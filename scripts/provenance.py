@@ -56,6 +56,7 @@ LINK_TARGET = re.compile(r"\]\([^)]*\)|https?://\S+|<!--.*?-->", re.DOTALL)
 # A figure: a number with a decimal point (one point only: 2.14.1 is a version, 198.18.0.1 an address), a percentage
 # or a ratio. Integers alone (4 GPUs, 2 processes) are counts, not measurements.
 FIGURE = re.compile(r"(?<![\w.,])(\d+(?:,\d{3})*(?:\.\d+)?)(?![\d,]*\.\d)(?P<unit> ?%|x\b|×)?")
+LOAD = re.compile(r"load average(?: \(1 min\))?:? ((?:\d+\.\d+(?:, )?)+)")
 NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?![\d])")
 
 
@@ -135,13 +136,14 @@ def prose(text: str) -> str:
 
 
 def figures(text: str) -> list[tuple[int, str]]:
-    """``(line number, figure)`` for each figure in ``text``'s prose: ``95.26%``, ``1.40x``, ``0.5``."""
-    found = []
-    for number, line in enumerate(prose(text).split("\n"), start=1):
-        for match in FIGURE.finditer(line):
-            value, unit = match.group(1), (match["unit"] or "").strip()
-            if unit or "." in value:
-                found.append((number, value + ("x" if unit == "×" else unit)))
+    """``(line number, figure)`` for each figure in ``text``'s prose: ``95.26%``, ``1.40x``, ``0.5``. A figure at
+    most 30 characters after the word "load" is a load average (``load 6.9``), sourced by recordings' headers only."""
+    found, text = [], prose(text)
+    for match in FIGURE.finditer(text):
+        value, unit = match.group(1), (match["unit"] or "").strip()
+        if unit or "." in value:
+            load = "load " if re.search(r"\bload\b", text[max(0, match.start() - 30) : match.start()]) else ""
+            found.append((text.count("\n", 0, match.start()) + 1, load + value + ("x" if unit == "×" else unit)))
     return found
 
 
@@ -154,16 +156,19 @@ def _key(figure: str) -> str:
 def sources() -> set[str]:
     """Every number printed into a committed output: notebooks' outputs and the files under results/; a number
     followed by ``%`` also counts as the percentage."""
-    # A recording's header is not a measurement: its load average must not source a figure by chance.
-    texts = [
-        re.sub(r"load average [\d., ]+", "", path.read_text(errors="replace"))
-        for path in (REPO / "results").rglob("*")
-        if _is_source(path)
-    ]
+    # A header's load average is not a measurement: it sources a figure said to be a load ("load 6.9") only.
+    texts, loads = [], set()
+    for path in (REPO / "results").rglob("*"):
+        if _is_source(path):
+            text = path.read_text(errors="replace")
+            loads |= {f"load {value}" for average in LOAD.findall(text) for value in re.findall(r"[\d.]+", average)}
+            texts.append(LOAD.sub("", text))
     for notebook in sorted((REPO / "notebooks").glob("*.ipynb")):
         cells = json.loads(notebook.read_text())["cells"]
-        texts += [_printed(output) for cell in cells for output in cell.get("outputs", [])]
-    found = set()
+        printed = "".join(_printed(output) for cell in cells for output in cell.get("outputs", []))
+        loads |= {f"load {value}" for average in LOAD.findall(printed) for value in re.findall(r"[\d.]+", average)}
+        texts.append(LOAD.sub("", printed))
+    found = set(loads)
     for text in texts:
         for match in NUMBER.finditer(text):
             number = match.group(0).replace(",", "")

@@ -35,6 +35,12 @@ def test_figures_are_decimals_percentages_and_ratios_outside_code_and_links():
         (5, "3,854.5"),
         (7, "2.2166"),  # a plain block is an output: its figures need a source too
     ]
+    # a load average is sourced by a recording's header only, and a header sources nothing else
+    assert provenance.figures("Loaded (load average 10.4 and\n6.9), it took 6.9 ms.") == [
+        (1, "load 10.4"),
+        (2, "load 6.9"),
+        (2, "6.9"),
+    ]
 
 
 def test_a_figure_is_sourced_by_a_printed_number_or_a_derived_row_that_holds(tmp_path, monkeypatch):
@@ -145,3 +151,15 @@ def test_every_notebook_says_where_and_when_its_committed_outputs_were_printed(n
     cells = [cell for cell in json.loads(notebook.read_text())["cells"] if cell["cell_type"] == "code"]
     first = "".join(provenance._printed(output) for output in cells[0].get("outputs", []))
     assert re.search(r"CPU cores.*; PyTorch \S+;.*\d{4}-\d\d-\d\d \d\d:\d\d UTC", first), first or "no output"
+
+
+def test_a_headers_load_average_sources_a_load_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.setattr(provenance, "REPO", tmp_path)
+    (tmp_path / "results" / "cpu-demo").mkdir(parents=True)
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "results" / "cpu-demo" / "run.txt").write_text(
+        "AMD EPYC, 2 CPU cores; PyTorch 2.14.1; 2026-11-27 08:00 UTC; load average 5.4, 3.0, 2.5\nstep 1.25 ms, 12%\n"
+    )
+    printed = provenance.sources()
+    assert {"load 5.4", "load 3.0", "load 2.5", "1.25", "12%"} <= printed
+    assert "5.4" not in printed and "2.5" not in printed
