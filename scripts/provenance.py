@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 LESSONS = sorted((REPO / "lessons").glob("[0-9][0-9]_*.md"))
+QUOTING = [*LESSONS, REPO / "README.md"]  # documents whose output blocks are filled (the README quotes the demo)
 SOURCE_SUFFIXES = {".txt", ".md", ".json", ".csv"}
 
 BLOCK = re.compile(
@@ -308,7 +309,7 @@ def main() -> int:
             print(f"{lesson.name}: {len(missing)} figure(s) with no source" + "".join(f"\n  {m}" for m in missing))
         return 1 if total else 0
     stale = []
-    for lesson in lessons:
+    for lesson in [path.resolve() for path in args.lessons] or QUOTING:
         text = lesson.read_text()
         try:
             new = filled(text)
