@@ -31,6 +31,17 @@ LR_EPOCHS = 1 if QUICK else 10
 LR_NPROC = 1 if QUICK else 2  # one process starts faster; the full run uses 2
 LR_BATCH = ["--batch-size", "64"] if QUICK else []  # the quick run: 4 times fewer steps than the default 16
 
+# Where and when this run was made: the outputs below are this machine's, on this date, under this load.
+import datetime
+
+from common.reports import machine_summary
+
+print(machine_summary())
+print(
+    f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load average {os.getloadavg()[0]:.1f}, "
+    f"{'quick' if QUICK else 'full'} settings"
+)
+
 # %%
 import json
 import subprocess

@@ -32,6 +32,17 @@ RUN_PRECISIONS = ("fp32", "bf16") if QUICK else ("fp32", "bf16", "fp16")  # fp16
 BENCHMARK = ["--model", "lenet", "--batch-size", 16, "--steps", 2, "--rounds", 1, "--precisions", "fp32", "bf16"]
 BENCHMARK = BENCHMARK if QUICK else []
 
+# Where and when this run was made: the outputs below are this machine's, on this date, under this load.
+import datetime
+
+from common.reports import machine_summary
+
+print(machine_summary())
+print(
+    f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load average {os.getloadavg()[0]:.1f}, "
+    f"{'quick' if QUICK else 'full'} settings"
+)
+
 # %%
 import json
 import subprocess
