@@ -147,15 +147,21 @@ def _plot_comparison(results: list[dict], path: Path, title: str, skipped: str |
 
 
 def machine_summary() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo, else ``platform.processor()``), the cores this process may use,
-    the GPUs if any, and PyTorch's version: ``"Intel(R) Xeon(R) Processor, 2 CPU cores; PyTorch 2.14.1+cu130"``."""
-    cpu = platform.processor() or "an unnamed CPU"
+    """The CPU's model name (Linux's /proc/cpuinfo, else ``platform.processor()``) with the vector instructions
+    PyTorch's kernels use on it (and whether it has bf16 instructions), the cores this process may use, the GPUs if
+    any, and PyTorch's version: ``"AMD EPYC (AVX512, bf16), 2 CPU cores; PyTorch 2.14.1+cu130"``. Two machines with
+    one model name can differ there ("AMD EPYC" is what a virtual machine of several EPYC generations reports), and
+    that changes results: bf16 is fast only with bf16 instructions, and AVX2 and AVX512 kernels round differently."""
+    cpu, flags = platform.processor() or "an unnamed CPU", set()
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
         cpu = names[0] if names else cpu
+        flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
     except OSError:
         pass
+    bf16 = ", bf16" if flags & {"avx512_bf16", "amx_bf16"} else ""
+    cpu = f"{cpu} ({torch.backends.cpu.get_cpu_capability()}{bf16})"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpus = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
     devices = f"{cpu}, {cores} CPU cores" + (f", GPUs: {', '.join(gpus)}" if gpus else "")

@@ -68,4 +68,6 @@ def test_the_machine_summary_names_the_cpu_the_cores_and_pytorch():
     if cpuinfo.exists():  # Linux, as this machine and CI: the model name the kernel reports
         lines = cpuinfo.read_text().splitlines()
         name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-        assert summary.startswith(f"{name}, ")
+        assert summary.startswith(f"{name} ({torch.backends.cpu.get_cpu_capability()}")
+        flags = next(line for line in lines if line.startswith("flags")).split()
+        assert (", bf16)" in summary) == ("avx512_bf16" in flags or "amx_bf16" in flags)
