@@ -180,7 +180,8 @@ def sources() -> set[str]:
 
 
 def _is_source(path: Path) -> bool:
-    return path.is_file() and path.suffix in SOURCE_SUFFIXES
+    """A file a run wrote: results/README.md, which people write, sources nothing."""
+    return path.is_file() and path.suffix in SOURCE_SUFFIXES and path.name != "README.md"
 
 
 DERIVED = re.compile(r"^## Derived numbers\n(?P<table>.*?)(?=^## |\Z)", re.DOTALL | re.MULTILINE)
