@@ -287,12 +287,13 @@ def main() -> int:
     )
     parser.add_argument("lessons", nargs="*", type=Path, help="lessons to read (default: all)")
     if sys.argv[1:2] == ["record"]:
-        recorder = argparse.ArgumentParser(prog="provenance.py record", description=record.__doc__)
+        recorder = argparse.ArgumentParser(prog="provenance.py record", usage="%(prog)s NAME [--timeout S] -- COMMAND")
         recorder.add_argument("name", help="the output's file name under results/<machine>/, without .txt")
         recorder.add_argument("--timeout", type=float, default=1800)
-        recorder.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, as documented")
-        args = recorder.parse_args(sys.argv[2:])
-        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        options, command = sys.argv[2:], []
+        if "--" in options:  # everything after the first -- is the command, as documented
+            options, command = options[: options.index("--")], options[options.index("--") + 1 :]
+        args = recorder.parse_args(options)
         if not command:
             recorder.error("give the command after --")
         print(record(args.name, command, args.timeout).relative_to(REPO))
