@@ -22,6 +22,17 @@
 # and without error feedback, and measures what compression costs in compute, to say on which links it pays.
 # Every figure is measured on the machine that ran the notebook (the committed outputs: 2 CPU cores, gloo).
 
+# %%
+import datetime
+import os
+
+from common.reports import machine_summary
+
+# The date says which run these outputs are; the load says how much other jobs shared the CPU with it.
+load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+now = datetime.datetime.now(datetime.timezone.utc)
+print(f"{machine_summary()}; run {now:%Y-%m-%d %H:%M} UTC; load average {load}")
+
 # %% tags=["parameters"]
 import os
 

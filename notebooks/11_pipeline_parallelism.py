@@ -30,6 +30,17 @@
 # above its number of cores, other work shares the cores and every time is longer and noisier. The bytes of
 # section 3 do not depend on the load.
 
+# %%
+import datetime
+import os
+
+from common.reports import machine_summary
+
+# The date says which run these outputs are; the load says how much other jobs shared the CPU with it.
+load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+now = datetime.datetime.now(datetime.timezone.utc)
+print(f"{machine_summary()}; run {now:%Y-%m-%d %H:%M} UTC; load average {load}")
+
 # %% tags=["parameters"]
 import os
 
@@ -146,10 +157,11 @@ plt.show()
 # input layer and the last the head and the loss, so one stage computes longer and the other waits for it; and
 # each micro-batch costs two messages and a few kernel launches whose time hardly depends on its size. As the
 # micro-batches shrink, their computation shrinks with them but that fixed cost does not, so the measured bubble
-# stops following the formula down and flattens; in the lesson's run (its section 5) the step itself got longer
-# again past m = 4, the fixed costs of more micro-batches outweighing the smaller bubble. The formula's promise,
+# stops following the formula down and flattens; in the committed run (lesson 11's section 5 quotes it) no m made
+# the step shorter than m = 1's, the fixed costs of more micro-batches outweighing the smaller bubble on a loaded
+# machine. The formula's promise,
 # more micro-batches for a smaller bubble, holds only while each micro-batch still computes for much longer than
-# its messages take. The formula gives GPipe and 1F1B the same bubble; in the lesson's run GPipe's came out above
+# its messages take. The formula gives GPipe and 1F1B the same bubble; in the committed run GPipe's came out above
 # 1F1B's from m = 2 on, a measured difference that the formula's equal, free-messaging stages do not explain.
 #
 # ## 3. The activations each stage holds

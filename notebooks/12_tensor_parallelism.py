@@ -25,6 +25,17 @@
 # (the committed outputs: 2 CPU cores, one process per core, gloo); `common.launch.run_on_ranks` starts the
 # processes, and the functions it runs are in `common/experiments/tensor_parallel.py`.
 
+# %%
+import datetime
+import os
+
+from common.reports import machine_summary
+
+# The date says which run these outputs are; the load says how much other jobs shared the CPU with it.
+load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+now = datetime.datetime.now(datetime.timezone.utc)
+print(f"{machine_summary()}; run {now:%Y-%m-%d %H:%M} UTC; load average {load}")
+
 # %% tags=["parameters"]
 import os
 
