@@ -57,6 +57,7 @@ LINK_TARGET = re.compile(r"\]\([^)]*\)|https?://\S+|<!--.*?-->", re.DOTALL)
 # A figure: a number with a decimal point (one point only: 2.14.1 is a version, 198.18.0.1 an address), a percentage
 # or a ratio. Integers alone (4 GPUs, 2 processes) are counts, not measurements.
 FIGURE = re.compile(r"(?<![\w.,])(\d+(?:,\d{3})*(?:\.\d+)?)(?![\d,]*\.\d)(?P<unit> ?%|x\b|×)?")
+LOAD_BEFORE = re.compile(r"\bload(?: average)?(?: of)?[ (:]*(?:\d+\.\d+(?:,| and| then)?\s*)*$")
 LOAD = re.compile(r"load average(?: \(1 min\))?:? ((?:\d+\.\d+(?:, )?)+)")
 NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?![\d])")
 
@@ -137,13 +138,14 @@ def prose(text: str) -> str:
 
 
 def figures(text: str) -> list[tuple[int, str]]:
-    """``(line number, figure)`` for each figure in ``text``'s prose: ``95.26%``, ``1.40x``, ``0.5``. A figure at
-    most 30 characters after the word "load" is a load average (``load 6.9``), sourced by recordings' headers only."""
+    """``(line number, figure)`` for each figure in ``text``'s prose: ``95.26%``, ``1.40x``, ``0.5``. A figure right
+    after "load" or "load average" (or in a list of them: ``load average 10.4 and 6.9``) is a load average
+    (``load 6.9``), sourced by recordings' and notebooks' headers only."""
     found, text = [], prose(text)
     for match in FIGURE.finditer(text):
         value, unit = match.group(1), (match["unit"] or "").strip()
         if unit or "." in value:
-            load = "load " if re.search(r"\bload\b", text[max(0, match.start() - 30) : match.start()]) else ""
+            load = "load " if LOAD_BEFORE.search(text[max(0, match.start() - 60) : match.start()]) else ""
             found.append((text.count("\n", 0, match.start()) + 1, load + value + ("x" if unit == "×" else unit)))
     return found
 
@@ -185,7 +187,7 @@ def _is_source(path: Path) -> bool:
 
 
 DERIVED = re.compile(r"^## Derived numbers\n(?P<table>.*?)(?=^## |\Z)", re.DOTALL | re.MULTILINE)
-CITATION = re.compile(r"arXiv|https?://|et al\.|\bpaper\b|\bspec\b|documentation", re.IGNORECASE)
+CITATION = re.compile(r"arXiv|https?://|et al\.|\bpaper\b|\bspec\b|documentation|source material", re.IGNORECASE)
 
 
 def derived_numbers(text: str, printed: set[str]) -> tuple[dict[str, str], list[str]]:
