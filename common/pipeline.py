@@ -330,7 +330,9 @@ def _backward(state: _StepState, microbatch: int) -> None:
     else:
         # The next stage must receive this micro-batch's activations before their gradient can come back, so
         # waiting for that send here adds no dependency; it drops the send's hold on them before the backward frees
-        # the rest (torch's Schedule1F1B waits for it at the same point, fused with the gradient's receive).
+        # the rest. torch's Schedule1F1B waits no later: every forward send has finished before its next backward
+        # (in steady state it batches the latest forward's send, a later micro-batch's, with this backward's
+        # gradient receive and waits for both).
         state.wait_for_send("activations", microbatch)
         output_grad = torch.empty(state.microbatch_shape_out, device=stage.device)
         dist.recv(output_grad, src=stage.rank + 1)
