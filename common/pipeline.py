@@ -344,7 +344,7 @@ def _backward(state: _StepState, microbatch: int) -> None:
     end = time.perf_counter()
     if not stage.is_first:
         # One gradient send pending at a time: the previous one had this backward's computation to complete
-        # (torch's Schedule1F1B waits for it at the same point).
+        # (torch's Schedule1F1B waits no later: in steady state before the next forward, in cool-down here).
         state.wait_for_sends("gradients")
         state.send(X.grad, dst=stage.rank - 1, what="gradients", microbatch=microbatch)
     state.events.append({"kind": BACKWARD, "microbatch": microbatch, "start": start, "end": end})
