@@ -22,6 +22,18 @@
 # bucket's all-reduce runs against the backward pass, the step time against torch's DDP, and what each rank holds
 # under ZeRO-1, 2 and 3.
 
+# %%
+import datetime
+import os
+
+from common.reports import machine_summary
+
+# The date says which run these outputs are; the load says how much other jobs shared the CPU with it.
+load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+now = datetime.datetime.now(datetime.timezone.utc)
+settings = "quick settings (COURSE_QUICK=1)" if os.environ.get("COURSE_QUICK") == "1" else "full settings"
+print(f"{machine_summary()}; run {now:%Y-%m-%d %H:%M} UTC; load average {load}; {settings}")
+
 # %% tags=["parameters"]
 import os
 

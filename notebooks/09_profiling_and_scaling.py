@@ -22,6 +22,18 @@
 # scaling with a latency-bandwidth model of the all-reduce, and the TensorBoard scalars of a run. Every figure
 # here is measured on the machine that ran the notebook (the committed outputs: 2 CPU cores, gloo).
 
+# %%
+import datetime
+import os
+
+from common.reports import machine_summary
+
+# The date says which run these outputs are; the load says how much other jobs shared the CPU with it.
+load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+now = datetime.datetime.now(datetime.timezone.utc)
+settings = "quick settings (COURSE_QUICK=1)" if os.environ.get("COURSE_QUICK") == "1" else "full settings"
+print(f"{machine_summary()}; run {now:%Y-%m-%d %H:%M} UTC; load average {load}; {settings}")
+
 # %% tags=["parameters"]
 import os
 
