@@ -29,7 +29,6 @@ the date and the command itself::
 """
 
 import argparse
-import collections
 import json
 import os
 import re
@@ -225,28 +224,6 @@ def unsourced_figures(lesson: Path, printed: set[str] | None = None) -> list[str
     return missing + [f"derived numbers: {problem}" for problem in problems]
 
 
-STILL_UNSOURCED = REPO / "tests" / "figures_without_a_source.json"
-
-
-def shrink_list() -> int:
-    """Rewrite the list of figures still without a source to what is left; a figure that is new there is refused."""
-    data = json.loads(STILL_UNSOURCED.read_text())
-    printed, left, added = sources(), {}, []
-    for lesson in LESSONS:
-        found = collections.Counter(entry.split(": ", 1)[1] for entry in unsourced_figures(lesson, printed))
-        allowed = collections.Counter(data["lessons"].get(lesson.name, {}))
-        added += [f"{lesson.name}: {figure}" for figure in (found - allowed).elements()]
-        if found:
-            left[lesson.name] = dict(sorted(found.items()))
-    if added:
-        print("figures with no source that the list does not hold (source them):\n  " + "\n  ".join(added))
-        return 1
-    data["lessons"] = left
-    STILL_UNSOURCED.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
-    print(f"{sum(sum(counts.values()) for counts in left.values())} figure(s) left without a source")
-    return 0
-
-
 # -- record ---------------------------------------------------------------------------------------------------------
 
 
@@ -282,11 +259,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="change nothing; fail if a quoted output is stale")
     parser.add_argument("--figures", action="store_true", help="list each lesson's figures that have no source")
-    parser.add_argument(
-        "--shrink-list",
-        action="store_true",
-        help=f"take the figures that found a source off {STILL_UNSOURCED.relative_to(REPO)}; refuse to add any",
-    )
     parser.add_argument("lessons", nargs="*", type=Path, help="lessons to read (default: all)")
     if sys.argv[1:2] == ["record"]:
         recorder = argparse.ArgumentParser(prog="provenance.py record", usage="%(prog)s NAME [--timeout S] -- COMMAND")
@@ -302,8 +274,6 @@ def main() -> int:
         return 0
     args = parser.parse_args()
     lessons = [path.resolve() for path in args.lessons] or LESSONS
-    if args.shrink_list:
-        return shrink_list()
     if args.figures:
         printed = sources()
         total = 0

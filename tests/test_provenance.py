@@ -1,7 +1,6 @@
 """Every figure has a source (``scripts/provenance.py``): quoted outputs equal the committed files they quote, and
 every figure in a lesson is printed in a committed output or derived, in the lesson's own table, from one that is."""
 
-import collections
 import json
 import re
 
@@ -11,7 +10,6 @@ from tests.conftest import PYTHON, REPO, load_script, run_command
 
 provenance = load_script(REPO / "scripts" / "provenance.py")
 LESSONS = provenance.LESSONS
-STILL_UNSOURCED = json.loads((REPO / "tests" / "figures_without_a_source.json").read_text())["lessons"]
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +91,8 @@ def test_every_quoted_output_equals_its_committed_source():
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.stem)
-def test_every_figure_of_the_lesson_has_a_source_except_those_still_listed(lesson, printed):
-    # tests/figures_without_a_source.json lists what issue 23 has still to source; the list may only shrink
-    found = collections.Counter(entry.split(": ", 1)[1] for entry in provenance.unsourced_figures(lesson, printed))
-    allowed = collections.Counter(STILL_UNSOURCED.get(lesson.name, {}))
-    assert found - allowed == collections.Counter(), "figures with no source in a committed output"
-    assert allowed - found == collections.Counter(), "sourced now: take them off tests/figures_without_a_source.json"
+def test_every_figure_of_the_lesson_is_printed_in_a_committed_output_or_derived_from_one(lesson, printed):
+    assert provenance.unsourced_figures(lesson, printed) == []
 
 
 def test_record_heads_the_output_with_the_machine_the_date_the_load_and_the_command(tmp_path, monkeypatch):
@@ -111,21 +105,6 @@ def test_record_heads_the_output_with_the_machine_the_date_the_load_and_the_comm
     assert output == "took 1.25 ms"
     with pytest.raises(provenance.ProvenanceError, match="failed"):
         provenance.record("demo", [PYTHON, "-c", "raise SystemExit(3)"], timeout=60)
-
-
-def test_the_list_of_unsourced_figures_only_shrinks(tmp_path, monkeypatch):
-    lesson = tmp_path / "99_demo.md"
-    lesson.write_text("It took 32.42 ms and 1.5 s.\n")
-    listed = tmp_path / "list.json"
-    listed.write_text(json.dumps({"why": "demo", "lessons": {"99_demo.md": {"32.42": 1, "1.5": 1}}}))
-    monkeypatch.setattr(provenance, "LESSONS", [lesson])
-    monkeypatch.setattr(provenance, "STILL_UNSOURCED", listed)
-    monkeypatch.setattr(provenance, "sources", lambda: {"1.5"})
-    assert provenance.shrink_list() == 0
-    assert json.loads(listed.read_text())["lessons"] == {"99_demo.md": {"32.42": 1}}
-    lesson.write_text("It took 32.42 ms and 2.75 s.\n")  # a new figure with no source: refused, the list untouched
-    assert provenance.shrink_list() == 1
-    assert json.loads(listed.read_text())["lessons"] == {"99_demo.md": {"32.42": 1}}
 
 
 def test_every_benchmark_prints_where_and_when_it_ran_before_its_figures():
