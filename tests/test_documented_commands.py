@@ -121,6 +121,9 @@ NOT_RUN = {
     "python scripts/rehearse_two_nodes.py --max-restarts 1 -- solutions/05_multi_node.py --dataset digits --epochs 2 "
     "--batch-size 32 --checkpoint-every 4 --checkpoint-dir checkpoints/drill_two_nodes --fail-at-step 14":
         f"{SAME_LAUNCH}::test_a_crash_with_max_restarts_resumes_to_bit_identical_parameters",
+    "python scripts/cluster.py --nodes 2 --procs-per-node 1 --link 1gbit -- benchmarks/zero_by_hand.py":
+        f"{MEASURES}: ZeRO-3's step time over the emulated link; notebook 08 runs the benchmark on loopback with "
+        "small settings, and tests/test_cluster.py runs scripts/cluster.py",
     "python benchmarks/cluster_network.py --out results/cpu-amd-epyc-2core/cluster_network":
         f"{MEASURES}: every part in turn on the emulated cluster; tests/test_cluster.py checks the "
         "emulator, and each part's scripts run here on loopback",
