@@ -204,12 +204,22 @@ def derived_numbers(text: str, printed: set[str]) -> tuple[dict[str, str], list[
         if not derivation:
             problems.append(f"{figure}: no derivation")
         elif not CITATION.search(derivation):
-            inputs = [_key(f) for _, f in figures(derivation)]
+            # 1,622 is a measurement too; 1,048,576 and 1,000,000 are units
+            grouped = [n.replace(",", "") for n in NUMBER.findall(derivation) if "," in n and "." not in n]
+            grouped = [n for n in grouped if not _is_unit(int(n))]
+            inputs = [_key(f) for _, f in figures(derivation)] + grouped
             unsourced = [number for number in inputs if number not in printed]
             if not inputs or unsourced:
                 problems.append(f"{figure}: derived from {', '.join(unsourced) or 'no printed figure'}")
         table[_key(figure)] = derivation
     return table, problems
+
+
+def _is_unit(number: int) -> bool:
+    """A power of 2 or of 10: a unit's size (1,048,576 bytes in a MiB), not a measurement."""
+    while number % 10 == 0 and number > 1:
+        number //= 10
+    return number & (number - 1) == 0 or number == 1
 
 
 def unsourced_figures(lesson: Path, printed: set[str] | None = None) -> list[str]:

@@ -55,6 +55,12 @@ def test_a_figure_is_sourced_by_a_printed_number_or_a_derived_row_that_holds(tmp
     ]
     printed.add("2.27")
     assert provenance.unsourced_figures(lesson, printed) == ["line 1: 2.5"]
+    # measurements written with thousands separators count as inputs; units (1,048,576 bytes in a MiB) do not
+    lesson.write_text(
+        "It lost 13.5% and 20.0 MB.\n\n## Derived numbers\n\n| figure | how |\n|---|---|\n"
+        "| 13.5% | (1,622 - 1,403) / 1,622 |\n| 20.0 | 19.1 x 1,048,576 / 1,000,000 |\n"
+    )
+    assert provenance.unsourced_figures(lesson, {"1622", "19.1"}) == ["derived numbers: 13.5%: derived from 1403"]
 
 
 def test_a_quoted_output_is_filled_from_its_file_and_a_stale_or_orphan_block_is_caught(tmp_path, monkeypatch):
