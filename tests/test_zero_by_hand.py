@@ -681,9 +681,12 @@ def test_zero2_holds_about_1_over_n_of_the_gradients_at_its_peak_measured(flat_r
         for step in rank["flat_zero1"]["steps"]:
             assert step["gradient_peak"] >= gradient_bytes(), "the paper's ZeRO-1 keeps them whole until its step"
         for step in rank["zero2"]["steps"]:
-            # its pieces (1/N of every bucket), the bucket filling, the one in the air and a layer's gradient
-            # on its way into a bucket, with 16 KiB for the activations' gradients of one layer at a time
-            assert step["gradient_peak"] <= gradient_bytes() / world_size + 3 * bucket + 16 * 2**10, step
+            # its pieces (1/N of every bucket), the bucket filling, the one in the air, gloo's copy of the bucket it
+            # sends (freed by gloo's thread: on a loaded machine it outlived the next bucket's start, 776,068 bytes
+            # at 4 ranks against 742,912 without it) and a layer's gradient on its way into a bucket, with 16 KiB
+            # for the activations' gradients of one layer at a time: still well under the whole gradients
+            assert step["gradient_peak"] <= gradient_bytes() / world_size + 4 * bucket + 16 * 2**10, step
+            assert gradient_bytes() / world_size + 4 * bucket + 16 * 2**10 < 0.65 * gradient_bytes()  # DDP: >= 1
 
 
 @pytest.mark.timeout(240)
