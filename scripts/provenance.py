@@ -243,8 +243,11 @@ def machine_folder() -> str:
 
     from common.reports import machine_summary
 
-    if torch.cuda.is_available():
-        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+    if torch.cuda.is_available():  # the folder make gpu-check writes to
+        from common.launch import load_script
+
+        gpus = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
+        return load_script(REPO / "scripts" / "gpu_check.py").folder_name(gpus)
     cpu = machine_summary().split(",")[0].lower()
     words = [word for word in re.findall(r"[a-z0-9]+", cpu) if word not in {"r", "tm", "processor", "cpu"}]
     cores = len(os.sched_getaffinity(0))
