@@ -326,6 +326,7 @@ SLOW_COMMANDS = {
     "README.md:9", "lessons/07_multi_node.md:3", "lessons/07_multi_node.md:9", "lessons/05_mixed_precision.md:3",
     "lessons/05_mixed_precision.md:4", "solutions/07_ring_allreduce.py:1", "solutions/05_multi_node.py:2",
     "solutions/05_multi_node.py:4", "solutions/03_fsdp.py:2", "solutions/03_fsdp.py:3", "solutions/03_fsdp.py:5",
+    "solutions/03_fsdp.py:6",
     "solutions/04_mixed_precision.py:2", "solutions/08_dp_vs_ddp.py:2", "solutions/09_ddp_by_hand.py:2",
     "solutions/09_ddp_by_hand.py:3", "solutions/10_zero_by_hand.py:2", "solutions/10_zero_by_hand.py:3",
     "solutions/11_powersgd.py:2", "solutions/11_powersgd.py:3", "solutions/11_powersgd.py:4",
@@ -340,6 +341,11 @@ def test_the_slow_commands_are_printed_commands_and_each_solution_keeps_one_in_m
     assert SLOW_COMMANDS <= places, f"no such command: {sorted(SLOW_COMMANDS - places)}"
     for solution in sorted({where.split(":")[0] for where in places if where.startswith("solutions/")}):
         assert any(where.startswith(solution + ":") and where not in SLOW_COMMANDS for where in places), solution
+    # a --resume command resumes what the command before it wrote: both run in the same suite, in order
+    commands = list(COMMANDS.values())
+    for (before, _), (where, command) in zip(commands, commands[1:]):
+        if "--resume" in command.split():
+            assert (before in SLOW_COMMANDS) == (where in SLOW_COMMANDS), f"{where} resumes {before}"
 
 
 @pytest.mark.parametrize(
