@@ -2,95 +2,46 @@
 
     python scripts/make_figures.py              # every figure
     python scripts/make_figures.py --list       # their names and sources
+    python scripts/make_figures.py --only 03_   # the figures whose names start with 03_
 
-Each figure is one function below, registered in ``FIGURES`` with the file it writes and, for a measured one, the
-committed result it reads (never a run of its own: the figure shows what the lesson quotes). A lesson embeds it
-with ``![what it shows](figures/NAME.png)``; tests/test_figures.py checks that every figure is embedded, with alt
-text, and that this script draws each one from its source.
+Each lesson's figures are functions in ``scripts/lesson_figures/lNN_<topic>.py``, registered in its ``FIGURES`` with
+the file it writes and, for a measured one, the committed result it reads (never a run of its own: the figure shows
+what the lesson quotes). A lesson embeds a figure with ``![what it shows](figures/NAME.png)``. The files carry no
+date, so drawing twice gives the same pictures: tests/test_figures.py redraws every one, compares it with the
+committed file pixel by pixel, and checks that each is embedded with alt text.
 """
 
 import argparse
-import json
+import importlib
+import sys
 from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyBboxPatch  # noqa: E402
-
-from common.cli import parse_size  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES_DIR = REPO / "lessons" / "figures"
-CLUSTER_RESULTS = REPO / "results" / "cpu-amd-epyc-2core" / "cluster_network.json"
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # common/ and lesson_figures/, however this file is started
 
 
-def box(axes, x, y, width, height, text, colour, fontsize=10):
-    axes.add_patch(FancyBboxPatch((x, y), width, height, boxstyle="round,pad=0.02", fc=colour, ec="black", lw=1))
-    axes.text(x + width / 2, y + height / 2, text, ha="center", va="center", fontsize=fontsize)
+def all_figures() -> dict:
+    """``{name: (draw, source)}`` over every module of scripts/lesson_figures/, in lesson order."""
+    figures = {}
+    for module_path in sorted((REPO / "scripts" / "lesson_figures").glob("l[0-9][0-9]_*.py")):
+        module = importlib.import_module(f"lesson_figures.{module_path.stem}")
+        clashes = set(figures) & set(module.FIGURES)
+        assert not clashes, f"{module_path.name} redefines {sorted(clashes)}"
+        figures |= module.FIGURES
+    return figures
 
 
-def emulated_cluster(path: Path) -> None:
-    """Two nodes (network namespaces) of two processes, each node's eth0 cabled to a bridge, tbf on both ends."""
-    fig, axes = plt.subplots(figsize=(9, 4.6))
-    axes.set_xlim(0, 10)
-    axes.set_ylim(0, 6)
-    axes.axis("off")
-    for node, x in enumerate((0.2, 6.2)):
-        box(axes, x, 0.4, 3.6, 4.6, "", "#eef4fb")
-        axes.text(x + 1.8, 4.6, f"node {node} (namespace mgc-node{node})", ha="center", fontsize=9, weight="bold")
-        for local, y in enumerate((3.3, 1.9)):
-            box(axes, x + 0.3, y, 1.4, 0.9, f"rank {2 * node + local}\n(process)", "#ffffff", 9)
-        axes.annotate("", xy=(x + 1.0, 2.85), xytext=(x + 1.0, 3.25), arrowprops={"arrowstyle": "<->"})
-        axes.text(x + 1.85, 3.05, "TCP over loopback:\nabout 1 GB/s here", fontsize=8, va="center", color="#2a6f2a")
-        eth_x = x + 2.6 if node == 0 else x + 0.2
-        box(axes, eth_x, 0.8, 0.8, 0.6, "eth0", "#ffe9c7", 9)
-        axes.text(eth_x + 0.4, 0.7, f"198.18.0.{100 + node}", ha="center", va="top", fontsize=8)
-    box(axes, 4.3, 3.2, 1.4, 1.0, "switch\n(bridge)", "#dddddd", 9)
-    for start, end in (((3.62, 1.4), (4.3, 3.4)), ((6.38, 1.4), (5.7, 3.4))):
-        axes.plot(*zip(start, end), color="#c05000", lw=2.5)
-    axes.text(5.0, 1.2, "each link: tbf\nat 1 Gbit/s,\nboth directions", ha="center", fontsize=9, color="#c05000")
-    axes.text(5.0, 5.6, "One machine, two emulated nodes of two processes each (scripts/cluster.py)", ha="center")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
-def slow_link_bus_bandwidth(path: Path) -> None:
-    """Bus bandwidth against size, gloo's all-reduce and the hand-written ring, over 1 Gbit/s and over loopback."""
-    rows = json.loads(CLUSTER_RESULTS.read_text())["allreduce"]
-    sizes = list(dict.fromkeys(row["size"] for row in rows))  # in the order measured: smallest first
-    fig, axes = plt.subplots(figsize=(7, 4))
-    styles = {("1gbit", "dist.all_reduce"): ("tab:blue", "-"), ("1gbit", "ring"): ("tab:orange", "-")}
-    styles |= {("loopback", "dist.all_reduce"): ("tab:blue", ":"), ("loopback", "ring"): ("tab:orange", ":")}
-    for (where, algorithm), (colour, line) in styles.items():
-        # from the size and the time: the printed busbw has 3 decimals, too few for the smallest sizes. With 2 ranks
-        # busbw = algbw x 2(N-1)/N = S / t.
-        ms = {row["size"]: row["ms"] for row in rows if (row["where"], row["algorithm"]) == (where, algorithm)}
-        values = [parse_size(size) / (ms[size] / 1e3) / 1e9 for size in sizes]
-        label = f"{algorithm}, {'1 Gbit/s link' if where == '1gbit' else where}"
-        axes.plot(sizes, values, marker="o", color=colour, linestyle=line, label=label)
-    axes.axhline(0.125, color="black", lw=1, linestyle="--", label="the link: 1 Gbit/s = 0.125 GB/s")
-    axes.set_yscale("log")
-    axes.set_xlabel("all-reduce size (bytes), 2 ranks")
-    axes.set_ylabel("bus bandwidth (GB/s)")
-    axes.set_title("Two nodes over an emulated 1 Gbit/s link against two processes on loopback")
-    axes.legend(fontsize=8)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
-# name -> (function, the committed result it reads, or None for a diagram)
-FIGURES = {
-    "07_emulated_cluster": (emulated_cluster, None),
-    "07_slow_link_bus_bandwidth": (slow_link_bus_bandwidth, CLUSTER_RESULTS),
-}
+FIGURES = all_figures()
 
 
 def main(args) -> None:
     out = args.out or FIGURES_DIR
     out.mkdir(parents=True, exist_ok=True)
-    for name, (draw, source) in FIGURES.items():
+    chosen = {name: figure for name, figure in FIGURES.items() if name.startswith(args.only)}
+    if not chosen:
+        raise SystemExit(f"no figure's name starts with {args.only!r}; see --list")
+    for name, (draw, source) in chosen.items():
         if args.list:
             print(f"{name}: {'diagram' if source is None else source.relative_to(REPO)}")
             continue
@@ -101,6 +52,7 @@ def main(args) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="list the figures and their sources, draw nothing")
+    parser.add_argument("--only", default="", help="draw only the figures whose names start with this")
     parser.add_argument("--out", type=Path, help="draw into this folder instead of lessons/figures")
     return parser.parse_args(argv)
 
