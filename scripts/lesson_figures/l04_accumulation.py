@@ -68,13 +68,13 @@ def loss_division(path: Path) -> None:
                 axes.bar(after, part, bottom=base, color=RANK_COLOURS[micro], edgecolor="black", width=0.6)
                 base += part
         axes.axhline(1.0, color="black", linestyle="--", lw=1)
-        axes.text(0.45, 1.08, "gradient of the whole batch", fontsize=8)
+        axes.text(4.42, 1.0, "whole-batch\ngradient", fontsize=8, va="center", backgroundcolor="white")
         if not divide:
             axes.axhline(4.0, color="#c03030", linestyle=":", lw=1)
             axes.text(0.45, 4.08, "4 times the whole batch's gradient", fontsize=8, color="#c03030")
         axes.set_xticks([1, 2, 3, 4], [f"after {m}" for m in range(1, 5)])
         axes.set_yticks([])
-        axes.set_xlim(0.3, 4.7)
+        axes.set_xlim(0.3, 5.5)
         axes.set_ylim(0, 4.6)
         axes.set_title("loss / k before backward()" if divide else "loss not divided", fontsize=10)
         axes.set_xlabel("micro-steps done (k = 4)")
@@ -98,49 +98,55 @@ def loss_division(path: Path) -> None:
 
 
 def no_sync_timeline(path: Path) -> None:
-    """Two ranks, 4 micro-steps: an all-reduce after every backward, against one after the last under no_sync."""
-    fig, axes = canvas(10, 5.2, xlim=11.2, ylim=6.4)
-    width, gap = 1.55, 0.45
-    for panel, (title, top, use_no_sync) in enumerate(
-        (
-            ("without no_sync: 4 all-reduce rounds per optimizer step", 5.6, False),
-            ("with no_sync on micro-steps 1-3: 1 all-reduce round per optimizer step", 2.6, True),
-        )
+    """Two ranks, 4 micro-steps, SimpleCNN's 2 buckets: DDP starts each bucket's all-reduce during the backward, as
+    soon as the bucket's gradients are ready, and the step waits for both. Under no_sync the first 3 micro-steps
+    send nothing. Widths are illustrative, not measured."""
+    fig, axes = canvas(10, 5.6, xlim=11.6, ylim=7.0)
+    fwd, bwd, gap = 0.55, 1.0, 0.12
+    bucket_1 = (0.35, 0.55)  # (start after the backward began, width): the classifier's gradients are ready first
+    bucket_2 = (bwd, 0.3)  # the first layers' gradients are ready last: it starts when the backward ends
+    for title, top, use_no_sync in (
+        ("without no_sync: an all-reduce round (2 buckets) after every micro-step", 6.3, False),
+        ("with no_sync on micro-steps 1-3: 1 round per optimizer step", 3.0, True),
     ):
-        axes.text(0.0, top + 0.35, title, fontsize=10, weight="bold")
-        for rank in range(2):
-            y = top - 0.8 - rank * 1.25
-            axes.text(0.0, y + 0.25, f"rank {rank}", fontsize=9, va="center")
-            for micro in range(4):
-                x = 1.0 + micro * (width + gap)
-                inside = use_no_sync and micro < 3
-                box(
-                    axes,
-                    x,
-                    y,
-                    width,
-                    0.5,
-                    f"fwd + bwd {micro + 1}" + ("\nin no_sync" if inside else ""),
-                    COMPUTE if not inside else "#d6e9f5",
-                    8,
-                )
-            box(axes, 1.0 + 4 * (width + gap), y, 1.6, 0.5, "clip, step,\nzero_grad", STEP, 8)
+        axes.text(0.0, top + 0.3, title, fontsize=10, weight="bold")
+        rows = {0: top - 0.75, 1: top - 2.25}  # the ranks' compute rows; the all-reduces sit between them
+        for rank, y in rows.items():
+            axes.text(0.0, y + 0.22, f"rank {rank}", fontsize=9, va="center")
+        axes.text(0.0, top - 1.28, "all-reduce", fontsize=8, va="center", color="#555555")
+        x = 1.0
         for micro in range(4):
-            x = 1.0 + micro * (width + gap) + width + 0.02
-            if use_no_sync and micro < 3:
-                axes.text(
-                    x - width / 2, top - 1.17, ".grad += locally", fontsize=8, ha="center", va="center", color="#555555"
-                )
+            inside = use_no_sync and micro < 3
+            colour = "#d6e9f5" if inside else COMPUTE
+            for y in rows.values():
+                box(axes, x, y, fwd, 0.45, f"fwd {micro + 1}", colour, 8)
+                box(axes, x + fwd, y, bwd, 0.45, f"bwd {micro + 1}", colour, 8)
+            if inside:
+                axes.text(x + (fwd + bwd) / 2, top - 1.28, ".grad +=\nlocally", fontsize=7, ha="center", va="center")
+                x += fwd + bwd + gap
                 continue
-            box(axes, x, top - 2.05, 0.38, 1.8, "all-reduce", COMMUNICATE, 7, rotation=90)
+            for number, (offset, width) in enumerate((bucket_1, bucket_2), start=1):
+                box(axes, x + fwd + offset, top - 1.5, width, 0.45, f"b{number}", COMMUNICATE, 8)
+            x += fwd + max(bwd, bucket_2[0] + bucket_2[1]) + gap
+        for y in rows.values():
+            box(axes, x, y, 1.3, 0.45, "clip, step,\nzero_grad", STEP, 7)
     handles = [plt.Rectangle((0, 0), 1, 1, fc=colour, ec="black") for colour in (COMPUTE, "#d6e9f5", COMMUNICATE, STEP)]
     labels = [
-        "forward and backward",
+        "forward, backward",
         "the same inside no_sync: nothing sent",
-        "DDP's all-reduce of the gradients",
+        "all-reduce of bucket 1 or 2 (b1, b2)",
         "optimizer step",
     ]
-    axes.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, bbox_to_anchor=(0.5, -0.06), frameon=False)
+    axes.legend(handles, labels, loc="upper center", ncol=4, fontsize=8, bbox_to_anchor=(0.5, 0.09), frameon=False)
+    axes.text(
+        0.0,
+        -0.2,
+        "Widths are illustrative. DDP starts a bucket's all-reduce as soon as its gradients are ready, during the\n"
+        "backward. The optimizer step waits until both buckets are done.",
+        fontsize=8,
+        va="top",
+        color="#333333",
+    )
     save(fig, path)
 
 
@@ -150,8 +156,9 @@ def group_schedules(path: Path) -> None:
     rules = [(name.strip(), marks.strip()) for name, marks in (line.rsplit(":", 1) for line in lines)]
     notes = {
         0: "groups of 4, 4 and 2: every micro-batch is stepped once",
-        1: "steps on micro-batch 1 alone; every later group is shifted by one",
-        2: "micro-batches 9 and 10 are never stepped: their gradients leak into the next epoch",
+        1: "steps on i = 0 alone, and every later group is shifted by one.\n"
+        "i = 9 is never stepped: its gradient leaks into the next epoch",
+        2: "i = 8 and i = 9 are never stepped: their gradients leak into the next epoch",
     }
     fig, axes = canvas(10, 3.9, xlim=12, ylim=4.9)
     for row, (name, marks) in enumerate(rules):
@@ -162,9 +169,9 @@ def group_schedules(path: Path) -> None:
             stepped = mark == "S"
             box(axes, x, y, 0.65, 0.45, "step" if stepped else "", COMMUNICATE if stepped else "#d6e9f5", 8)
             if row == 0:
-                axes.text(x + 0.32, y + 0.75, str(i + 1), ha="center", fontsize=8)
-        axes.text(4.2, y - 0.25, notes[row], fontsize=8, va="center", color="#333333" if row == 0 else "#c03030")
-    axes.text(0.0, 4.15, "micro-batch:", fontsize=8)
+                axes.text(x + 0.32, y + 0.75, str(i), ha="center", fontsize=8)
+        axes.text(4.2, y - 0.08, notes[row], fontsize=8, va="top", color="#333333" if row == 0 else "#c03030")
+    axes.text(0.0, 4.15, "micro-batch i (from 0):", fontsize=8)
     handles = [plt.Rectangle((0, 0), 1, 1, fc=colour, ec="black") for colour in (COMMUNICATE, "#d6e9f5")]
     axes.legend(
         handles,
@@ -197,7 +204,7 @@ def lr_scaling(path: Path) -> None:
     axes.set_yticks(list(positions), [r[0] for r in rows], fontsize=8)
     axes.invert_yaxis()
     axes.set_xlim(0, 112)
-    axes.set_xlabel("test accuracy on digits (%), after 10 epochs")
+    axes.set_xlabel("test accuracy on digits (%): last and best of 10 epochs")
     axes.set_title("The linear scaling rule at k = 4, measured (notebook 04, seed 0)", fontsize=10)
     axes.legend(fontsize=8, loc="upper center", ncol=2, bbox_to_anchor=(0.5, -0.15), frameon=False)
     fig.tight_layout()
