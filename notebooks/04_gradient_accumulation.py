@@ -59,7 +59,7 @@ from common.models import LeNet
 #
 # `.grad` adds up over `backward()` calls. Four micro-batches of 5 samples leave the sum of four mean-loss
 # gradients in `.grad`. That is four times the gradient of the 20 samples together. Dividing each micro-step's loss
-# by 4 gives exactly the whole batch's gradient.
+# by 4 gives the whole batch's gradient, up to float rounding.
 #
 # ![.grad after each micro-step, with and without dividing the loss](../lessons/figures/04_loss_division.png)
 
@@ -87,9 +87,9 @@ print(f"not divided: {undivided.norm() / whole.norm():.2f} times the whole batch
 # %% [markdown]
 # ## Which micro-steps all-reduce
 #
-# Take k = 4 and an epoch of 10 micro-batches. The cell below prints three rules. The course's rule steps after
-# every k-th micro-batch and after the last one. The other two are found in other material. `S` marks a
-# micro-step that all-reduces and steps, and `.` marks one inside `no_sync`.
+# Take k = 4 and an epoch of 10 micro-batches, numbered i = 0 to 9. The cell below prints three rules. The course's
+# rule steps after every k-th micro-batch and after the last one. The other two are found in other material. `S`
+# marks a micro-step that all-reduces and steps, and `.` marks one inside `no_sync`.
 
 
 # %%
@@ -107,15 +107,18 @@ for name, rule in rules.items():
     print(f"{name:>34}: {schedule(10, 4, rule)}")
 
 # %% [markdown]
-# The second rule steps after the very first micro-batch alone, with a gradient divided by 4. The third never
-# steps on the last two micro-batches. Their gradients stay in `.grad` and leak into the next epoch's first step.
+# The second rule steps after the very first micro-batch, i = 0, alone, with a gradient divided by 4. Every later
+# group is shifted by one, and i = 9 is never stepped. The third rule never steps on i = 8 and 9. In both, the
+# unstepped gradients stay in `.grad` and leak into the next epoch's first step.
 #
 # ![Three step rules over ten micro-batches, marking which micro-steps step](../lessons/figures/04_group_schedules.png)
 #
 # ## What no_sync saves
 #
 # `benchmarks/grad_accumulation.py` counts DDP's all-reduces with a communication hook,
-# `common.collectives.AllReduceCounter`. It times an effective step of 4 micro-steps, with and without `no_sync`.
+# `common.collectives.AllReduceCounter`. It times an optimizer step of 4 micro-steps, with and without `no_sync`.
+# It calls the optimizer step an *effective step*. DDP sends SimpleCNN's gradients in 2 buckets, one all-reduce
+# call each. So expect 8 calls per optimizer step without `no_sync`, and 2 with it.
 #
 # ![Timeline of two ranks over four micro-steps, with and without no_sync](../lessons/figures/04_no_sync_timeline.png)
 
@@ -129,8 +132,9 @@ print(
 # %% [markdown]
 # ## Accumulation follows the path of a bigger batch
 #
-# This cell trains 4 micro-batches of 16 per process against plain batches of 64 per process, in the same data
-# order. The training losses agree up to the rounding of float sums.
+# This cell trains LeNet, which has no BatchNorm, with 4 micro-batches of 16 per process against plain batches of
+# 64 per process, in the same data order. Each printed line gives the epoch, then each run's name and its mean
+# training loss. The training losses agree up to the rounding of float sums.
 
 # %%
 histories = {}
