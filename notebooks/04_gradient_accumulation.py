@@ -16,9 +16,9 @@
 # %% [markdown]
 # # Lesson 04: gradient accumulation
 #
-# The companion notebook of `lessons/04_gradient_accumulation.md`: why the loss is divided, which micro-steps
-# all-reduce under `no_sync`, what that saves, that accumulation really follows the path of a bigger batch, and
-# what the linear learning-rate scaling rule does when it is measured instead of recited. Training runs go
+# The companion notebook of `lessons/04_gradient_accumulation.md`. It shows why the loss is divided, which
+# micro-steps all-reduce under `no_sync`, and what that saves. It checks that accumulation follows the path of a
+# bigger batch. And it measures the linear learning-rate scaling rule instead of reciting it. Training runs go
 # through `torchrun` as subprocesses, as you would launch them.
 
 # %% tags=["parameters"]
@@ -57,9 +57,11 @@ from common.models import LeNet
 # %% [markdown]
 # ## Why the loss is divided
 #
-# `.grad` adds up over `backward()` calls. Four micro-batches of 5 give the sum of four mean-loss gradients:
-# four times the gradient of the 20 samples together. Dividing each micro-step's loss by 4 gives exactly the
-# whole batch's gradient.
+# `.grad` adds up over `backward()` calls. Four micro-batches of 5 samples leave the sum of four mean-loss
+# gradients in `.grad`. That is four times the gradient of the 20 samples together. Dividing each micro-step's loss
+# by 4 gives the whole batch's gradient, up to float rounding.
+#
+# ![.grad after each micro-step, with and without dividing the loss](../lessons/figures/04_loss_division.png)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -85,9 +87,9 @@ print(f"not divided: {undivided.norm() / whole.norm():.2f} times the whole batch
 # %% [markdown]
 # ## Which micro-steps all-reduce
 #
-# With k = 4 and an epoch of 10 micro-batches: the course's rule (step after every k-th micro-batch, and after
-# the last one), and the two rules found in other material. `S` marks a micro-step that all-reduces and steps,
-# `.` one inside `no_sync`.
+# Take k = 4 and an epoch of 10 micro-batches, numbered i = 0 to 9. The cell below prints three rules. The course's
+# rule steps after every k-th micro-batch and after the last one. The other two are found in other material. `S`
+# marks a micro-step that all-reduces and steps, and `.` marks one inside `no_sync`.
 
 
 # %%
@@ -105,13 +107,20 @@ for name, rule in rules.items():
     print(f"{name:>34}: {schedule(10, 4, rule)}")
 
 # %% [markdown]
-# The second rule steps after the very first micro-batch alone, with a gradient divided by 4. The third never
-# steps on the last two micro-batches: their gradients stay in `.grad` and leak into the next epoch's first step.
+# The second rule steps after the very first micro-batch, i = 0, alone, with a gradient divided by 4. Every later
+# group is shifted by one, and i = 9 is never stepped. The third rule never steps on i = 8 and 9. In both, the
+# unstepped gradients stay in `.grad` and leak into the next epoch's first step.
+#
+# ![Three step rules over ten micro-batches, marking which micro-steps step](../lessons/figures/04_group_schedules.png)
 #
 # ## What no_sync saves
 #
-# `benchmarks/grad_accumulation.py` counts DDP's allreduces with a communication hook
-# (`common.collectives.AllReduceCounter`) and times an effective step of 4 micro-steps, with and without `no_sync`:
+# `benchmarks/grad_accumulation.py` counts DDP's all-reduces with a communication hook,
+# `common.collectives.AllReduceCounter`. It times an optimizer step of 4 micro-steps, with and without `no_sync`.
+# It calls the optimizer step an *effective step*. DDP sends SimpleCNN's gradients in 2 buckets, one all-reduce
+# call each. So expect 8 calls per optimizer step without `no_sync`, and 2 with it.
+#
+# ![Timeline of two ranks over four micro-steps, with and without no_sync](../lessons/figures/04_no_sync_timeline.png)
 
 # %%
 print(
@@ -123,8 +132,9 @@ print(
 # %% [markdown]
 # ## Accumulation follows the path of a bigger batch
 #
-# 4 micro-batches of 16 per process against plain batches of 64 per process, same data order: the training
-# losses agree to the rounding of float sums.
+# This cell trains LeNet, which has no BatchNorm, with 4 micro-batches of 16 per process against plain batches of
+# 64 per process, in the same data order. Each printed line gives the epoch, then each run's name and its mean
+# training loss. The training losses agree up to the rounding of float sums.
 
 # %%
 histories = {}
@@ -154,9 +164,10 @@ for epoch in range(COMPARE_EPOCHS):
 # %% [markdown]
 # ## The linear scaling rule, measured
 #
-# `benchmarks/lr_scaling.py` trains four times for the same number of epochs on digits: the baseline (16 per
-# process, 2 processes: batch 32, lr 0.05), 4 times the batch through accumulation at the same lr, at 4 times the
-# lr, and at 4 times the lr reached by a one-epoch linear warm-up.
+# `benchmarks/lr_scaling.py` trains four times on digits, each for the same number of epochs. The baseline uses 16
+# samples per process on 2 processes, so batch 32, at lr 0.05. The other three runs take 4 times the batch through
+# accumulation. One keeps the lr, one takes 4 times the lr, and one reaches 4 times the lr by a one-epoch linear
+# warm-up.
 
 # %%
 results_file = REPO / "runs" / "04_lr_scaling.json"

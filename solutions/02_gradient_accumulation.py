@@ -8,9 +8,9 @@ last micro-step all-reduces: the others run inside ``net.no_sync()``, where DDP 
     torchrun --standalone --nproc_per_node=2 solutions/02_gradient_accumulation.py --dataset digits \
         --batch-size 16 --grad-accum-steps 4
 
-    # 4 GPUs, effective batch 64 x 8 x 4 = 2048: a larger lr, warmed up (lesson 04 measures the rule)
+    # 4 GPUs, effective batch 64 x 8 x 4 = 2048: a larger lr, warmed up over the first epoch (30 steps)
     torchrun --standalone --nproc_per_node=4 solutions/02_gradient_accumulation.py --grad-accum-steps 8 \
-        --lr 0.4 --warmup-steps 100 --clip-grad-norm 1.0
+        --lr 0.4 --warmup-steps 30 --clip-grad-norm 1.0
 
     # one process, no launcher
     python solutions/02_gradient_accumulation.py --dataset digits --grad-accum-steps 4

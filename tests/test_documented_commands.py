@@ -84,7 +84,7 @@ NOT_RUN = {
     "torchrun --standalone --nproc_per_node=4 solutions/01_ddp_basic.py":
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twin (--dataset digits) runs here",
     "torchrun --standalone --nproc_per_node=4 solutions/02_gradient_accumulation.py --grad-accum-steps 8 "
-    "--lr 0.4 --warmup-steps 100 --clip-grad-norm 1.0":
+    "--lr 0.4 --warmup-steps 30 --clip-grad-norm 1.0":
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twin (--dataset digits) runs here",
     "torchrun --standalone --nproc_per_node=4 solutions/03_fsdp.py --precision bf16":
         f"{FOUR_GPUS}; it also downloads Fashion-MNIST. Its CPU twin (--dataset digits) runs here",
