@@ -32,13 +32,14 @@ def _step(axes, y, number, text):
     axes.text(0.4, y, text, fontsize=8.5, va="center")
 
 
-def _bus(axes, xs_from, y_from, y_bus, xs_to, y_to, colour=COPY):
-    """Lines from each of ``xs_from`` down to a horizontal bus at ``y_bus``, then arrows down to each of ``xs_to``."""
+def _bus(axes, xs_from, y_from, y_bus, xs_to, y_to, colour=COPY, arrows_to=None):
+    """Lines from each of ``xs_from`` down to a horizontal bus at ``y_bus`` that spans ``xs_to`` too, then arrows
+    down to each of ``arrows_to`` (by default every one of ``xs_to``)."""
     for x in xs_from:
         axes.plot([x, x], [y_from, y_bus], color=colour, lw=1.4)
     every = [*xs_from, *xs_to]
     axes.plot([min(every), max(every)], [y_bus, y_bus], color=colour, lw=1.4)
-    for x in xs_to:
+    for x in xs_to if arrows_to is None else arrows_to:
         arrow(axes, (x, y_bus), (x, y_to), colour=colour)
 
 
@@ -52,21 +53,29 @@ def dp_forward(path: Path) -> None:
         7.2,
         GPU_X[3] - GPU_X[0] + 2 * HALF,
         0.55,
-        "X: the whole batch of 256 samples, on the CPU or on GPU 0",
+        "X: the whole batch of 256 samples, here on GPU 0, where the lesson's script puts it",
         LIGHT,
         9,
     )
-    _columns(axes, top=6.95, bottom=0.8)
+    _columns(axes, top=6.95, bottom=0.45)
 
     _step(axes, 5.9, 1, "scatter")
     for gpu, x in enumerate(GPU_X):
         box(axes, x - HALF, 5.6, 0.95, 0.6, f"chunk {gpu}\n{64 * gpu}-{64 * gpu + 63}", COMPUTE, 8)
-        arrow(axes, (x - HALF + 0.47, 7.2), (x - HALF + 0.47, 6.22))
+        arrow(axes, (x - HALF + 0.47, 7.2), (x - HALF + 0.47, 6.22), colour="black" if gpu == 0 else COPY)
     box(axes, GPU_X[0] + 0.0, 5.6, HALF, 0.6, "the model's\nparameters", ON_GPU0, 8)
 
     _step(axes, 4.75, 2, "replicate")
-    _bus(axes, [GPU_X[0] + 0.55], 5.6, 5.3, [x + 0.55 for x in GPU_X[1:]], 5.02)
-    arrow(axes, (GPU_X[0] + 0.55, 5.3), (GPU_X[0] + 0.55, 5.02))
+    arrow(axes, (GPU_X[0] + 0.55, 5.6), (GPU_X[0] + 0.55, 5.02))  # replica 0 shares the original tensors
+    _bus(
+        axes,
+        [],
+        5.6,
+        5.3,
+        [GPU_X[0] + 0.55, *(x + 0.55 for x in GPU_X[1:])],
+        5.02,
+        arrows_to=[x + 0.55 for x in GPU_X[1:]],
+    )
     for gpu, x in enumerate(GPU_X):
         box(axes, x + 0.0, 4.4, HALF, 0.6, f"replica {gpu}" + ("\n(no copy)" if gpu == 0 else ""), MEMORY, 8)
     axes.text(GPU_X[3] + 0.55, 5.42, "copied at\nevery forward", fontsize=8, color=COPY, ha="center", va="bottom")
@@ -81,12 +90,15 @@ def dp_forward(path: Path) -> None:
     for gpu, x in enumerate(GPU_X):
         box(axes, x - HALF, 2.15, 2 * HALF, 0.4, f"out {gpu}: 64 rows", COMPUTE, 8)
         arrow(axes, (x, 3.25), (x, 2.57))
-    _bus(axes, GPU_X[1:], 2.15, 1.85, [GPU_X[0]], 1.57)
-    axes.plot([GPU_X[0], GPU_X[0]], [2.15, 1.85], color=COPY, lw=1.4)
+    arrow(axes, (GPU_X[0] - 0.4, 2.15), (GPU_X[0] - 0.4, 1.57))  # out 0 is on GPU 0 already
+    _bus(axes, GPU_X[1:], 2.15, 1.85, [GPU_X[0] + 0.4], 1.57)
     box(axes, GPU_X[0] - HALF, 0.95, 2 * HALF, 0.6, "out: 256 rows on GPU 0,\nthen the loss on GPU 0", ON_GPU0, 8)
-    axes.text(GPU_X[1] - HALF, 1.35, "illustrative sizes: 4 GPUs, a batch of 256, 64 samples per GPU", fontsize=8)
-    axes.text(GPU_X[1] - HALF, 0.95, "red: copies to or from GPU 0, at every step", fontsize=8, color=COPY)
-    axes.set_ylim(0.7, 8.6)
+    axes.text(GPU_X[1] - HALF + 0.1, 1.4, "illustrative sizes: 4 GPUs, a batch of 256, 64 samples per GPU", fontsize=8)
+    axes.text(
+        GPU_X[1] - HALF + 0.1, 1.05, "red: a copy between GPUs, at every step. Black: no copy.", fontsize=8, color=COPY
+    )
+    axes.text(GPU_X[1] - HALF + 0.1, 0.7, "With X on the CPU, every chunk is a copy from the CPU.", fontsize=8)
+    axes.set_ylim(0.35, 8.6)
     save(fig, path)
 
 
@@ -99,7 +111,8 @@ def dp_backward(path: Path) -> None:
     box(axes, GPU_X[0] - HALF, 6.05, 2 * HALF, 0.55, "the gradient of out\n(256 rows, on GPU 0)", ON_GPU0, 8)
 
     _step(axes, 5.0, 1, "scatter")
-    _bus(axes, [GPU_X[0]], 6.05, 5.7, GPU_X, 5.42)
+    arrow(axes, (GPU_X[0], 6.05), (GPU_X[0], 5.42))  # GPU 0's own rows: no copy
+    _bus(axes, [], 6.05, 5.7, GPU_X, 5.42, arrows_to=GPU_X[1:])
     for gpu, x in enumerate(GPU_X):
         box(axes, x - HALF, 4.8, 2 * HALF, 0.6, f"the gradient of out {gpu}\n(64 rows)", COMPUTE, 8)
 
@@ -112,8 +125,8 @@ def dp_backward(path: Path) -> None:
     for gpu, x in enumerate(GPU_X):
         box(axes, x - HALF, 2.4, 2 * HALF, 0.6, f"replica {gpu}'s\nparameter gradients", MEMORY, 8)
         arrow(axes, (x, 3.55), (x, 3.02))
-    _bus(axes, GPU_X[1:], 2.4, 2.1, [GPU_X[0]], 1.82)
-    axes.plot([GPU_X[0], GPU_X[0]], [2.4, 2.1], color=COPY, lw=1.4)
+    arrow(axes, (GPU_X[0] - 0.4, 2.4), (GPU_X[0] - 0.4, 1.82))  # replica 0's gradients are on GPU 0 already
+    _bus(axes, GPU_X[1:], 2.4, 2.1, [GPU_X[0] + 0.4], 1.82)
     box(axes, GPU_X[0] - HALF, 0.9, 2 * HALF, 0.9, "param.grad = their sum,\nthe whole batch's\ngradient", ON_GPU0, 8)
 
     _step(axes, 1.4, 4, "step")
@@ -128,7 +141,9 @@ def dp_backward(path: Path) -> None:
         8,
     )
     arrow(axes, (GPU_X[0] + HALF, 1.4), (GPU_X[1] - HALF, 1.4))
-    axes.text(GPU_X[3], 1.4, "red: copies to or\nfrom GPU 0", fontsize=8, color=COPY, ha="center", va="center")
+    axes.text(
+        GPU_X[3], 1.4, "red: a copy between\nGPUs. Black: no copy.", fontsize=8, color=COPY, ha="center", va="center"
+    )
     axes.set_ylim(0.7, 7.8)
     save(fig, path)
 
@@ -149,7 +164,8 @@ def memory_per_gpu(path: Path) -> None:
     activations = (0.7, "activations\nof its chunk", COMPUTE)
     gpu0 = [params, grads, optim, activations, (0.5, "input batch\n(if put here)", ON_GPU0)]
     gpu0 += [(0.5, "gathered out\nand the loss", ON_GPU0)]
-    others = [(0.5, "a copy of the\nparameters", IDLE), activations]
+    others = [(0.5, "a copy of the\nparameters", IDLE), (0.7, "its replica's\ngradients,\nuntil summed", IDLE)]
+    others += [activations]
     axes.text(3.6, 5.45, "nn.DataParallel: one process", ha="center", fontsize=10, weight="bold")
     for gpu, x in enumerate((0.2, 1.95, 3.7, 5.45)):
         top = _stack(axes, x, gpu0 if gpu == 0 else others)
@@ -158,7 +174,7 @@ def memory_per_gpu(path: Path) -> None:
             axes.text(x + 0.8, top + 0.05, "runs out first", ha="center", fontsize=8, color=COPY)
     axes.plot([7.2, 7.2], [0.45, 5.7], color="#999999", lw=1)
     axes.text(10.85, 5.45, "DDP: one process per GPU", ha="center", fontsize=10, weight="bold")
-    ddp = [params, (0.5, "gradients\nand buckets", MEMORY), optim, (0.7, "activations\nof its shard", COMPUTE)]
+    ddp = [params, (0.5, "gradients, and\na copy to send", MEMORY), optim, (0.7, "activations\nof its slice", COMPUTE)]
     for gpu, x in enumerate((7.45, 9.2, 10.95, 12.7)):
         _stack(axes, x, ddp)
         axes.text(x + 0.8, 0.3, f"GPU {gpu}", ha="center", fontsize=9, weight="bold", color=RANK_COLOURS[gpu])
@@ -206,7 +222,8 @@ def one_process_against_ddp(path: Path) -> None:
         10.75,
         1.7,
         "gradients all-reduced, bucket by bucket, while backward runs.\n"
-        "By default, rank 0's buffers broadcast at each forward",
+        "By default, rank 0's buffers broadcast at the start of a forward\n"
+        "(not after one run under no_grad() or no_sync())",
         ha="center",
         va="top",
         fontsize=8,
@@ -272,7 +289,7 @@ def gil_turns(path: Path) -> None:
 def timing_window(path: Path) -> None:
     """The benchmark's clock: warm-up steps left out, every device synchronised and its peak memory reset when the
     clock starts, and synchronised again before it stops. Below: why a clock read without synchronising is early."""
-    fig, axes = canvas(10, 4.8, xlim=12, ylim=6.6)
+    fig, axes = canvas(10, 5.2, xlim=12, ylim=6.6)
     axes.text(
         6.0, 6.25, "What time_training_steps times (illustrative: 3 warm-up steps, then the timed steps)", ha="center"
     )
@@ -299,33 +316,34 @@ def timing_window(path: Path) -> None:
     axes.text(
         2.3,
         4.1,
-        "left out: first allocations,\nlibrary handles created\non first use, DDP's\nbucket rebuild",
+        "left out: work done once.\nFirst allocations, kernel\nloading, library handles,\ncuDNN plans, the first\n"
+        "gradients and optimizer\nstate, DDP's bucket rebuild",
         ha="center",
         va="top",
         fontsize=8,
     )
     # Below: CUDA is asynchronous, so Python queues kernels ahead of the GPU.
     axes.text(
-        6.0, 2.55, "Why synchronise: Python queues kernels faster than the GPU runs them", ha="center", fontsize=9
+        6.0, 2.05, "Why synchronise: Python queues kernels faster than the GPU runs them", ha="center", fontsize=9
     )
-    axes.text(0.4, 1.85, "Python queues", fontsize=8, va="center")
-    axes.text(0.4, 1.0, "the GPU runs", fontsize=8, va="center")
+    axes.text(0.4, 1.35, "Python queues", fontsize=8, va="center")
+    axes.text(0.4, 0.5, "the GPU runs", fontsize=8, va="center")
     for i in range(5):
-        axes.add_patch(plt.Rectangle((2.0 + i * 0.9, 1.65), 0.8, 0.4, fc="#ffd580", ec="black"))
-        axes.add_patch(plt.Rectangle((2.4 + i * 1.7, 0.8), 1.6, 0.4, fc=COMPUTE, ec="black"))
-    axes.plot([6.5, 6.5], [0.45, 2.2], color="#666666", lw=1.5, linestyle="--")
+        axes.add_patch(plt.Rectangle((2.0 + i * 0.9, 1.15), 0.8, 0.4, fc="#ffd580", ec="black"))
+        axes.add_patch(plt.Rectangle((2.4 + i * 1.7, 0.3), 1.6, 0.4, fc=COMPUTE, ec="black"))
+    axes.plot([6.5, 6.5], [-0.05, 1.7], color="#666666", lw=1.5, linestyle="--")
     axes.text(
         6.4,
-        0.3,
+        -0.2,
         "clock read here without synchronising:\nit measures how fast Python queued",
         ha="right",
         va="top",
         fontsize=8,
         color="#444444",
     )
-    axes.plot([10.8, 10.8], [0.45, 2.2], color=COPY, lw=2)
-    axes.text(10.9, 0.3, "after synchronize:\nthe GPU's work is in", ha="right", va="top", fontsize=8, color=COPY)
-    axes.set_ylim(-0.5, 6.6)
+    axes.plot([10.8, 10.8], [-0.05, 1.7], color=COPY, lw=2)
+    axes.text(10.9, -0.2, "after synchronize:\nthe GPU's work is in", ha="right", va="top", fontsize=8, color=COPY)
+    axes.set_ylim(-1.0, 6.6)
     save(fig, path)
 
 
