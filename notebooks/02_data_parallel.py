@@ -69,10 +69,15 @@ print(f"PyTorch {torch.__version__}, {GPUS} CUDA device(s), {os.cpu_count()} CPU
 # ![DataParallel on four GPUs: scatter, replicate, parallel apply, gather](../lessons/figures/02_dp_forward.png)
 #
 # `nn.DataParallel(model)(X)` does four things. It scatters `X` into one chunk per GPU, from any device, the CPU
-# included. It replicates the model from GPU 0 to every GPU. It runs the replicas in parallel threads, and it
-# gathers the outputs on GPU 0. `common.data_parallel` writes the same four steps out. With fewer than 2 GPUs it
-# runs them on two CPU "devices". Autograd records the copies to the replicas, so `backward()` sums every
-# replica's gradient into the original parameters. The result is the gradient of the whole batch.
+# included. It replicates the model from GPU 0 to the other GPUs. It runs the replicas in parallel threads, and it
+# gathers the outputs on GPU 0. Scatter, replicate and gather are autograd operations, so `backward()` sums every
+# replica's gradient into the original parameters. For LeNet, which has no BatchNorm, the result is the gradient
+# of the whole batch, up to floating-point rounding.
+#
+# `common.data_parallel` writes the same four steps out. With fewer than 2 GPUs, the cell below runs them on two
+# CPU "devices", both `"cpu"`. There `tensor.to("cpu")` returns the tensor itself, so both replicas share the
+# original parameters and nothing is copied. The cell then shows the split and the sum of the two chunks'
+# gradients, not the copies. The tests run the same code on `"cpu:0"` and `"cpu:1"`, where the copies are real.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -100,8 +105,8 @@ print(
 )
 
 # %% [markdown]
-# The batch you hand DataParallel is the *global* batch: each of N GPUs gets 1/N of it. Without GPUs,
-# DataParallel splits nothing. It calls the module once, on the whole batch.
+# The batch you hand DataParallel is the *global* batch. Each of N GPUs gets about 1/N of it, in the chunk sizes
+# of `torch.chunk`. Without GPUs, DataParallel splits nothing. It calls the module once, on the whole batch.
 
 # %%
 if GPUS == 0:
