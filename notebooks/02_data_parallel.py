@@ -17,10 +17,10 @@
 # # Lesson 02: DataParallel, and why the course uses DDP instead
 #
 # The companion notebook of `lessons/02_data_parallel.md`. It opens `nn.DataParallel`'s forward pass into its
-# four steps and runs them by hand (on CPU "devices" if there are no GPUs, which shows what is computed, not how
-# fast), then runs `solutions/08_dp_vs_ddp.py`, which measures DataParallel against DDP on the same model, data
-# and global batch. DataParallel needs 2 or more GPUs; where there are fewer, the script measures DDP alone and
-# says so.
+# four steps and runs them by hand. Without GPUs it runs them on CPU "devices", which shows what is computed but
+# not how fast. Then it runs `solutions/08_dp_vs_ddp.py`. That script measures DataParallel against DDP on the
+# same model, data and global batch. DataParallel needs 2 or more GPUs. With fewer, the script measures DDP alone
+# and says so.
 
 # %% tags=["parameters"]
 import os
@@ -66,11 +66,18 @@ print(f"PyTorch {torch.__version__}, {GPUS} CUDA device(s), {os.cpu_count()} CPU
 # %% [markdown]
 # ## One forward pass, four steps
 #
-# `nn.DataParallel(model)(X)` scatters `X` (on any device, the CPU included) into one chunk per GPU, replicates
-# the model from GPU 0 to every GPU, runs the replicas in parallel threads, and gathers the outputs on GPU 0.
-# `common.data_parallel` writes the same four steps out; with fewer than 2 GPUs it runs them on two CPU "devices".
-# The replicas are copies that autograd records, so `backward()` sums every replica's gradient into the original
-# parameters: the result is the gradient of the whole batch.
+# ![DataParallel on four GPUs: scatter, replicate, parallel apply, gather](../lessons/figures/02_dp_forward.png)
+#
+# `nn.DataParallel(model)(X)` does four things. It scatters `X` into one chunk per GPU, from any device, the CPU
+# included. It replicates the model from GPU 0 to the other GPUs. It runs the replicas in parallel threads, and it
+# gathers the outputs on GPU 0. Scatter, replicate and gather are autograd operations, so `backward()` sums every
+# replica's gradient into the original parameters. For LeNet, which has no BatchNorm, the result is the gradient
+# of the whole batch, up to floating-point rounding.
+#
+# `common.data_parallel` writes the same four steps out. With fewer than 2 GPUs, the cell below runs them on two
+# CPU "devices", both `"cpu"`. There `tensor.to("cpu")` returns the tensor itself, so both replicas share the
+# original parameters and nothing is copied. The cell then shows the split and the sum of the two chunks'
+# gradients, not the copies. The tests run the same code on `"cpu:0"` and `"cpu:1"`, where the copies are real.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -98,8 +105,8 @@ print(
 )
 
 # %% [markdown]
-# The batch you hand DataParallel is the *global* batch: each of N GPUs gets 1/N of it. And without GPUs
-# DataParallel does nothing at all: it calls the module on the whole batch.
+# The batch you hand DataParallel is the *global* batch. Each of N GPUs gets about 1/N of it, in the chunk sizes
+# of `torch.chunk`. Without GPUs, DataParallel splits nothing. It calls the module once, on the whole batch.
 
 # %%
 if GPUS == 0:
@@ -115,9 +122,11 @@ else:
 # %% [markdown]
 # ## DataParallel against DDP, measured
 #
-# `solutions/08_dp_vs_ddp.py` runs DDP on `NPROC` processes, then DataParallel on as many GPUs in one process,
-# with the same global batch. On a machine with fewer GPUs than that, it measures DDP alone and writes down why
-# DataParallel was skipped: no figure in the table is made up.
+# ![DataParallel: one process and one GIL. DDP: a process per GPU](../lessons/figures/02_one_process_against_ddp.png)
+#
+# `solutions/08_dp_vs_ddp.py` runs DDP on `NPROC` processes. Then it runs DataParallel on as many GPUs, in one
+# process, with the same global batch. On a machine with fewer GPUs than that, it measures DDP alone. It writes
+# down why DataParallel was skipped, and no figure in the table is made up.
 
 # %%
 results_dir = "runs/02_dp_vs_ddp"  # relative to the repository, where the command runs

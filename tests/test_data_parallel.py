@@ -36,7 +36,10 @@ def test_replicas_gradients_sum_into_the_original_parameters(replicas):
     model = LeNet()
     whole_loss, whole_grads = loss_and_gradients(model, model)
     sizes = count_forward_batches(model)
-    loss, grads = loss_and_gradients(model, lambda X: data_parallel_forward(model, X, ["cpu"] * replicas))
+    # "cpu:0", "cpu:1", ... make real copies that autograd records, as between GPUs ("cpu" would share the
+    # original tensors): the replicas' gradients must come back through those copies and add up in the original.
+    devices = [f"cpu:{i}" for i in range(replicas)]
+    loss, grads = loss_and_gradients(model, lambda X: data_parallel_forward(model, X, devices))
     # one replica per chunk (threads may start in any order)
     assert sorted(sizes) == sorted(len(chunk) for chunk in torch.arange(8).chunk(replicas))
     torch.testing.assert_close(loss, whole_loss)

@@ -18,7 +18,7 @@ from tests.labs import load_lab
 
 LAB = "08_dp_vs_ddp"
 # What these tests call in the script: time_training_steps(net, batches, device, warmup_steps, other_devices=())
-# -> {"seconds", "samples", "steps", "peak_memory_mib"}, which reads the module names `time` and
+# -> {"seconds", "samples", "steps", "peak_memory_mib"}, which reads the module names `time`, `synchronize` and
 # `reset_peak_memory` (the tests replace them); measure_ddp(model_class, X, y, args, env), which calls the
 # script's `DDP`, `dist.all_reduce` and `time_training_steps`; and parse_args(argv).
 NEEDS = ("time_training_steps", "measure_ddp", "parse_args", "DDP", "dist")
@@ -90,6 +90,42 @@ def test_measure_resets_every_devices_peak_memory_when_the_clock_starts(monkeypa
         model, batches(4), torch.device("cpu", 0), warmup_steps=2, other_devices=[torch.device("cpu", 1)]
     )
     assert sorted(resets) == [("cpu:0", 2), ("cpu:1", 2)], "each device once, after the 2 warm-up forwards"
+
+
+class RecordsEachClockRead:
+    """Stands in for the ``time`` module: each read of the clock is recorded, with the forward calls made so far."""
+
+    def __init__(self, model: CountsItsCalls, events: list):
+        self.model, self.events = model, events
+
+    def perf_counter(self) -> float:
+        self.events.append(("clock", self.model.calls))
+        return float(self.model.calls)
+
+
+def test_measure_synchronizes_every_device_before_each_clock_read(monkeypatch):
+    # CUDA is asynchronous: each clock read must come after every device has finished the work queued so far, at
+    # the start (after the warm-up) and at the end (after the last step), or the clock times how fast Python queued.
+    lab = load_lab(LAB, NEEDS)
+    model = CountsItsCalls()
+    events = []
+    monkeypatch.setitem(lab.time_training_steps.__globals__, "time", RecordsEachClockRead(model, events))
+    monkeypatch.setitem(
+        lab.time_training_steps.__globals__,
+        "synchronize",
+        lambda device: events.append((f"synchronize {device}", model.calls)),
+    )
+    lab.time_training_steps(
+        model, batches(4), torch.device("cpu", 0), warmup_steps=2, other_devices=[torch.device("cpu", 1)]
+    )
+    assert events == [
+        ("synchronize cpu:0", 2),
+        ("synchronize cpu:1", 2),
+        ("clock", 2),
+        ("synchronize cpu:0", 4),
+        ("synchronize cpu:1", 4),
+        ("clock", 4),
+    ], "every device synchronised after the 2 warm-up forwards and after the last one, each time before the clock"
 
 
 class StopAtTheCollective(Exception):
