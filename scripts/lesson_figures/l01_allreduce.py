@@ -1,7 +1,8 @@
 """Lesson 01's pictures: a data-parallel step, the in-place pitfall, naive against ring, the ring's steps chunk by
-chunk, bytes and messages per rank, and the measured allreduce time against size."""
+chunk, bytes and messages per rank, the measured allreduce time against size, and a model of when the ring wins."""
 
 import json
+import re
 from pathlib import Path
 
 from common.cli import parse_size
@@ -75,7 +76,7 @@ def naive_against_ring(path: Path) -> None:
     axes.text(
         0.1, 2.05, "rank 0 receives N-1 tensors\nand sends N-1 back:\n(N-1)·S = 3·S each way", fontsize=9, va="top"
     )
-    axes.text(3.9, 1.75, "every other rank:\nS out, S in,\nthen it waits\nfor rank 0", fontsize=9, va="top")
+    axes.text(3.9, 1.75, "every other rank:\nS out, waits\nfor rank 0,\nthen S in", fontsize=9, va="top")
     ring = {0: (9.4, 4.3), 1: (11.2, 2.6), 2: (9.4, 0.9), 3: (7.6, 2.6)}
     axes.text(9.4, 5.35, "ring: every rank sends right", ha="center", fontsize=10, weight="bold")
     for rank, (x, y) in ring.items():
@@ -201,16 +202,25 @@ def bytes_and_messages_per_rank(path: Path) -> None:
     left.set_ylabel("bytes sent per allreduce (x S);\neach rank receives as many")
     left.set_title("Bytes: naive's rank 0 sends (N-1)·S,\na ring rank 2(N-1)/N·S, under 2·S", fontsize=10)
     left.legend(fontsize=8, loc="upper left")
-    # messages posted (sends + receives), by the formulas that the tests count at 2, 3 and 4 ranks
-    right.plot(ranks, [2 * (n - 1) for n in ranks], marker="o", color=RANK_COLOURS[0], label="naive, rank 0")
+    # Messages posted (sends + receives), by the formulas that the tests count at 2, 3 and 4 ranks, and the steps
+    # that must finish one after another: naive's rank 0 receives N-1 times, then sends N-1 times; the ring takes
+    # 2(N-1) exchange steps, each a send and a receive posted together.
+    posted = [4 * (n - 1) for n in ranks]
+    right.plot(ranks, posted, marker="s", color=RANK_COLOURS[1], label="ring rank: posted, 4(N-1)")
+    right.plot(
+        ranks,
+        [2 * (n - 1) for n in ranks],
+        marker="o",
+        color="black",
+        label="both, one after another: 2(N-1)\n(naive rank 0: also its posted count)",
+    )
     right.plot(ranks, [2 for _ in ranks], marker="o", color=RANK_COLOURS[0], linestyle=":", label="naive, other ranks")
-    right.plot(ranks, [4 * (n - 1) for n in ranks], marker="s", color=RANK_COLOURS[1], label="ring, every rank")
     right.set_xscale("log", base=2)
     right.set_yscale("log")
     right.set_xticks(ranks, [str(n) for n in ranks])
     right.set_xlabel("ranks N")
-    right.set_ylabel("messages posted (sends + receives)")
-    right.set_title("Messages: every ring rank posts 4(N-1),\nand each pays a fixed cost", fontsize=10)
+    right.set_ylabel("messages per allreduce")
+    right.set_title("Messages: a ring rank posts 4(N-1),\nbut only 2(N-1) steps follow one another", fontsize=10)
     right.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     save(fig, path)
@@ -254,10 +264,54 @@ def allreduce_time_against_size(path: Path) -> None:
     axes.set_ylabel("time (ms), log scale")
     axes.axvspan(sizes[0] / 1.5, 64 * 1024 * 1.5, color=IDLE, alpha=0.5, lw=0)
     axes.text(
-        512, 0.75, "up to 64K: a fixed cost per message,\nthe time hardly moves with the size", fontsize=8, ha="center"
+        512,
+        0.75,
+        "from 4 bytes to 64K, at most 2.1x the time:\na fixed cost per message dominates",
+        fontsize=8,
+        ha="center",
     )
     axes.set_title("Allreduce time against size: 2 processes, gloo, 2-core CPU (allreduce_bandwidth.txt)", fontsize=10)
     axes.legend(fontsize=8, loc="upper left")
+    save(fig, path)
+
+
+def _fits(text: str) -> dict[str, tuple[float, float]]:
+    """The benchmark's two fits t = a + n / B: {"one-way" or "exchange": (a in seconds, B in bytes per second)}."""
+    found = re.findall(r"(one-way|exchange): a = ([\d.]+) ms per message, B = ([\d.]+) GB/s", text)
+    return {name: (float(a) / 1e3, float(bandwidth) * 1e9) for name, a, bandwidth in found}
+
+
+def model_time(algorithm: str, world_size: int, size: float, fits: dict) -> float:
+    """Seconds the model predicts: 2(N-1) messages one after another, of S (naive, the one-way fit) or of S/N (the
+    ring, the exchange fit). Additions and fresh buffers are left out."""
+    a, bandwidth = fits["one-way"] if algorithm == "naive" else fits["exchange"]
+    message = size if algorithm == "naive" else size / world_size
+    return 2 * (world_size - 1) * (a + message / bandwidth)
+
+
+def ring_against_naive_model(path: Path) -> None:
+    """The model of lesson 01's "When the ring wins": time against size for 4, 8 and 64 ranks, from the fits."""
+    fits = _fits(BANDWIDTH_RESULTS.read_text())
+    sizes = [2.0**power for power in range(2, 29)]
+    fig, axes = plt.subplots(figsize=(8.5, 4.8))
+    for colour, world_size in zip(RANK_COLOURS[:3], (4, 8, 64)):
+        for algorithm, line in (("naive", "-"), ("ring", "--")):
+            times = [model_time(algorithm, world_size, size, fits) * 1e3 for size in sizes]
+            axes.plot(sizes, times, color=colour, linestyle=line, label=f"{algorithm}, N = {world_size}")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    ticks = [4, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
+    axes.set_xticks(ticks, ["4", "4K", "64K", "1M", "16M", "256M"])
+    axes.set_xlabel("allreduce size S in bytes (K = KiB, M = MiB)")
+    axes.set_ylabel("predicted time (ms), log scale")
+    axes.axvspan(40 << 10, 96 << 10, color=IDLE, alpha=0.6, lw=0)
+    axes.text(62 << 10, 400, "each pair of lines\ncrosses at about\n45-90 KiB", fontsize=8, ha="center")
+    axes.set_title(
+        "A model, not a measurement: 2(N-1) messages in a row, each a + bytes / B\n"
+        "(naive: one-way fit, messages of S; ring: exchange fit, messages of S/N; allreduce_bandwidth.txt)",
+        fontsize=10,
+    )
+    axes.legend(fontsize=8, loc="upper left", ncol=3)
     save(fig, path)
 
 
@@ -268,4 +322,5 @@ FIGURES = {
     "01_ring_steps": (ring_steps, None),
     "01_bytes_and_messages_per_rank": (bytes_and_messages_per_rank, NOTEBOOK),
     "01_allreduce_time_against_size": (allreduce_time_against_size, BANDWIDTH_RESULTS),
+    "01_ring_against_naive_model": (ring_against_naive_model, BANDWIDTH_RESULTS),
 }
