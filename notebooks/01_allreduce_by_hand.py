@@ -189,7 +189,8 @@ print(
 #
 # Under naive, rank 0 receives (N-1)·S and sends (N-1)·S: 2(N-1)·S through its link. A ring rank sends
 # 2(N-1)/N·S and receives as much, under 2·S each way whatever N is. The table prints rank 0's naive traffic both
-# ways, and what one ring rank sends:
+# ways, and what one ring rank sends. Halve the naive column to compare one direction with one direction: rank 0
+# sends 1, 3, 7, 15 and 63 times S.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -204,8 +205,9 @@ for n in (2, 4, 8, 16, 64):
 #
 # ![The ring allreduce step by step, 4 ranks and 4 chunks](../lessons/figures/01_ring_steps.png)
 #
-# On 3 processes and a tensor of 10 elements, both give exactly what `dist.all_reduce` gives. 10 does not divide
-# by 3, so the ring's chunks differ in size:
+# On 3 processes and a tensor of 10 integer-valued elements, both give exactly what `dist.all_reduce` gives. On
+# random floats they match only to rounding, since they may add in another order. 10 does not divide by 3, so the
+# ring's chunks differ in size:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -218,9 +220,14 @@ for rank, result in enumerate(run_on_ranks(hand_made_all_reduces, 3)):
 # %% [markdown]
 # ### Bandwidth
 #
-# `solutions/07_ring_allreduce.py` checks both again. Then it times them with nccl-tests' definitions: algorithm
-# bandwidth is bytes / time, and bus bandwidth is algbw · 2(N-1)/N. On a CPU the processes share the memory bus
-# and the cores. So read the figures as a comparison of algorithms on this machine, not as link speeds.
+# `solutions/07_ring_allreduce.py` checks both again. Then it times them, and reports two rates as nccl-tests
+# defines them: algorithm bandwidth is bytes / time, and bus bandwidth is algbw · 2(N-1)/N. Each time is the
+# median of single calls, each after a barrier, as the slowest rank saw it. On a CPU the processes share the
+# memory bus and the cores. So read the figures as a comparison of algorithms on this machine, not as link speeds.
+#
+# This cell runs `NPROC` = 4 processes. On a machine with fewer cores than that, two or more processes share each
+# core, and the times measure the crowding as much as the algorithms. The output below came from a machine with 2
+# cores: its largest size points the way the ring's smaller volume predicts, but it is not a clean measurement.
 
 # %%
 sizes = ["4K", "64K", "1M"] if QUICK else ["4K", "64K", "1M", "16M", "64M"]
