@@ -17,9 +17,9 @@
 # # Lesson 01: allreduce by hand
 #
 # The companion notebook of `lessons/01_allreduce_by_hand.md`. Part 1 trains a LeNet data-parallel in one
-# process, the way d2l does it from scratch: on every GPU if there are any, else on simulated CPU "devices"
-# (which shows the algorithm is correct, not that it is fast). Part 2 moves to processes: a naive and a ring
-# allreduce built from point-to-point messages, and their bandwidth against `dist.all_reduce`.
+# process, the way d2l does it from scratch. It uses every GPU there is, or else simulated CPU "devices". Simulated
+# devices show that the algorithm is correct, not that it is fast. Part 2 moves to processes. It builds a naive and
+# a ring allreduce from point-to-point messages, and times them against `dist.all_reduce`.
 
 # %% tags=["parameters"]
 import os
@@ -61,8 +61,12 @@ print(
 # %% [markdown]
 # ## Part 1: one process, several devices
 #
-# The model is a function of its parameters, so that we can hold one copy of them per device. The code lives in
-# `common/scratch.py`; here it is in full.
+# The model is a function of its parameters, so that we can hold one copy of them per device. Each device then
+# sums its gradients with the others and takes the same step:
+#
+# ![One data-parallel step on three devices, allreduce in the middle](../lessons/figures/01_data_parallel_step.png)
+#
+# The code lives in `common/scratch.py`. Here it is in full.
 
 # %%
 for function in (scratch.lenet, scratch.get_params, scratch.allreduce, scratch.split_batch, scratch.train_batch):
@@ -81,9 +85,13 @@ print("after: ", [tensor.tolist() for tensor in data])
 # %% [markdown]
 # ### The in-place pitfall
 #
-# The list handed to `allreduce` holds the replicas' own `.grad` tensors. Writing the sum into them
-# (`data[i][:] = ...`) updates the replicas; assigning it (`data[i] = ...`) only rebinds a list slot, and every
-# replica but the first keeps its partial gradient. One step of each:
+# The list handed to `allreduce` holds the replicas' own `.grad` tensors. Writing the sum into them with
+# `data[i][:] = ...` updates the replicas. Assigning it with `data[i] = ...` only rebinds a list slot. Every replica
+# but the first then keeps its partial gradient.
+#
+# ![Writing in place against rebinding a list slot](../lessons/figures/01_in_place_against_rebinding.png)
+#
+# One step of each:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -99,8 +107,8 @@ for variant in (scratch.allreduce, scratch.all_reduce_by_assignment):
 # %% [markdown]
 # ### Training
 #
-# d2l's recipe: a `Timer`, one `train_batch` per mini-batch, accuracy of replica 0 after every epoch. The data
-# are scikit-learn's digits (offline); with `d2l.load_data_fashion_mnist` you get d2l's original.
+# d2l's recipe: a `Timer`, one `train_batch` per mini-batch, and the accuracy of replica 0 after every epoch. The
+# data are scikit-learn's digits, which need no download. `d2l.load_data_fashion_mnist` gives you d2l's original.
 
 # %%
 data = load_data("digits")
@@ -143,8 +151,8 @@ train(devices, NUM_EPOCHS, BATCH_SIZE, LR)
 # ### The learning rate, measured
 #
 # `sgd` divides the summed gradient by the batch size, so `lr` scales the mean gradient. From d2l's
-# initialisation (weights drawn at 0.01 scale) the network starts on a plateau at chance accuracy; the learning
-# rate decides how soon it leaves it. The same run, same batches, at three learning rates:
+# initialisation, with weights drawn at 0.01 scale, the network starts on a plateau at chance accuracy. The
+# learning rate decides how soon it leaves it. The same run, with the same batches, at three learning rates:
 
 # %%
 for lr in (0.1, LR, 1.0):
@@ -159,7 +167,7 @@ for lr in (0.1, LR, 1.0):
 # %% [markdown]
 # ### The in-place pitfall, over a whole run
 #
-# The same training with `all_reduce_by_assignment`: replica 0 receives the full sum at every step, the others
+# The same training with `all_reduce_by_assignment`. Replica 0 receives the full sum at every step, and the others
 # keep their partial gradients. How far apart do the replicas end, and what does each score?
 
 # %%
@@ -173,9 +181,16 @@ print(
 # %% [markdown]
 # ## Part 2: processes, and allreduce from messages
 #
-# With one process per device nobody holds all the tensors: the ranks must exchange messages. Volume per
-# allreduce of S bytes over N ranks: the naive way (everyone sends to rank 0, rank 0 sends the sum back) puts
-# 2(N-1)·S through rank 0's link; the ring puts 2(N-1)/N·S through every rank's link, almost 2·S whatever N is.
+# With one process per device, no process holds all the tensors, so the processes (ranks) must exchange messages.
+# Take an allreduce of S bytes over N ranks. The naive way has every rank send to rank 0, and rank 0 send the sum
+# back. The ring has every rank send to its right neighbour.
+#
+# ![Naive allreduce through rank 0 against the ring, 4 ranks](../lessons/figures/01_naive_against_ring.png)
+#
+# Under naive, rank 0 receives (N-1)·S and sends (N-1)·S: 2(N-1)·S through its link. A ring rank sends
+# 2(N-1)/N·S and receives as much, under 2·S each way whatever N is. The table prints rank 0's naive traffic both
+# ways, and what one ring rank sends. Halve the naive column to compare one direction with one direction: rank 0
+# sends 1, 3, 7, 15 and 63 times S.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -184,8 +199,15 @@ for n in (2, 4, 8, 16, 64):
     print(f"{n:>3} {2 * (n - 1):>20} {2 * (n - 1) / n:>23.3f}")
 
 # %% [markdown]
-# Both are in `common/collectives.py` (`naive_all_reduce`, `ring_all_reduce`). On 3 processes and a tensor of
-# 10 elements (10 does not divide by 3), both give exactly what `dist.all_reduce` gives:
+# Both are in `common/collectives.py`, as `naive_all_reduce` and `ring_all_reduce`. The ring cuts the tensor into
+# N chunks. N-1 reduce-scatter steps leave each rank with the complete sum of one chunk. N-1 all-gather steps then
+# pass the finished chunks round:
+#
+# ![The ring allreduce step by step, 4 ranks and 4 chunks](../lessons/figures/01_ring_steps.png)
+#
+# On 3 processes and a tensor of 10 integer-valued elements, both give exactly what `dist.all_reduce` gives. On
+# random floats they match only to rounding, since they may add in another order. 10 does not divide by 3, so the
+# ring's chunks differ in size:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -198,9 +220,14 @@ for rank, result in enumerate(run_on_ranks(hand_made_all_reduces, 3)):
 # %% [markdown]
 # ### Bandwidth
 #
-# `solutions/07_ring_allreduce.py` checks both again, then times them with nccl-tests' definitions: algorithm
-# bandwidth = bytes / time, bus bandwidth = algbw · 2(N-1)/N. On a CPU the processes share the memory bus and
-# the cores, so read the figures as a comparison of algorithms on this machine, not as link speeds.
+# `solutions/07_ring_allreduce.py` checks both again. Then it times them, and reports two rates as nccl-tests
+# defines them: algorithm bandwidth is bytes / time, and bus bandwidth is algbw · 2(N-1)/N. Each time is the
+# median of single calls, each after a barrier, as the slowest rank saw it. On a CPU the processes share the
+# memory bus and the cores. So read the figures as a comparison of algorithms on this machine, not as link speeds.
+#
+# This cell runs `NPROC` = 4 processes. On a machine with fewer cores than that, two or more processes share each
+# core, and the times measure the crowding as much as the algorithms. The output below came from a machine with 2
+# cores: its largest size points the way the ring's smaller volume predicts, but it is not a clean measurement.
 
 # %%
 sizes = ["4K", "64K", "1M"] if QUICK else ["4K", "64K", "1M", "16M", "64M"]
