@@ -7,11 +7,12 @@ PyTorch's own, then timed against a naive allreduce and ``dist.all_reduce`` over
 ``ring_all_reduce`` and ``all_reduce_gradients`` are written out in ``common/collectives.py`` (lesson 01 shows
 them in full); ``labs/07_ring_allreduce.py`` leaves them to you.
 
-Figures follow nccl-tests' definitions, so they compare with what ``all_reduce_perf`` prints:
+Bandwidths follow nccl-tests' definitions (``all_reduce_perf`` prints the same two columns):
 - algorithm bandwidth, algbw = S / t, for a tensor of S bytes that took t seconds;
 - bus bandwidth, busbw = algbw * 2(N-1)/N: what each link carried, since a ring allreduce sends 2(N-1)/N * S
   per rank. busbw is what to compare with the hardware's link speed; it does not depend on N for a ring.
-t is the median over iterations of the slowest rank's time.
+t is the median over iterations of the slowest rank's time for one call after a barrier. nccl-tests times a loop of
+back-to-back calls instead, so its t is not measured the same way: compare the columns' meaning, not the values.
 """
 
 import argparse
