@@ -41,7 +41,7 @@ def float_formats(path: Path) -> None:
     formats = (
         ("fp32", 8, 23, "largest 3.4e38\nsmallest normal 1.18e-38\neps 1.19e-07"),
         ("fp16", 5, 10, "largest 65504\nsmallest normal 6.1e-05\neps 0.000977"),
-        ("bf16", 8, 7, "largest 3.4e38 (as fp32)\nsmallest normal 1.18e-38\neps 0.00781"),
+        ("bf16", 8, 7, "largest 3.39e38\nsmallest normal 1.18e-38\neps 0.00781"),
     )
     bit = 0.92
     for row, (name, exponent, mantissa, numbers) in enumerate(formats):
@@ -91,7 +91,7 @@ def fp16_range(path: Path) -> None:
     axes.set_ylim(0, 1)
     axes.set_yticks([])
     axes.set_xticks([])
-    axes.set_title("The magnitudes fp16 can hold (bf16 and fp32 reach from 1.18e-38 to 3.4e38, off both ends)",
+    axes.set_title("The magnitudes fp16 can hold (bf16 and fp32 reach from 1.18e-38 to about 3.4e38)",
                    fontsize=10)  # fmt: skip
     axes.set_xlabel("magnitude of a value (log scale)", labelpad=28)
     save(fig, path)
