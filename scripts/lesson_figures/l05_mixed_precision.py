@@ -62,24 +62,27 @@ def float_formats(path: Path) -> None:
 
 
 def fp16_range(path: Path) -> None:
-    """fp16 on a log axis: flushed to 0, subnormal, normal, overflow; a gradient of 1e-8 lost, and rescued by 2^16."""
-    fig, axes = plt.subplots(figsize=(10, 3.6))
+    """fp16 on a log axis: rounded to 0, subnormal, normal, overflow; a gradient of 1e-8 lost, and rescued by 2^16."""
+    fig, axes = plt.subplots(figsize=(10, 3.8))
+    zero_edge, smallest, overflow = 2.0**-25, 2.0**-24, 65520.0  # conversion rounds to the nearest fp16 number
+    subnormal = "subnormal: fewer\nsignificant bits.\nsmallest: 6e-8 (2^-24).\n3e-8 to 6e-8\nround up to it"
     zones = (
-        (1e-11, 6e-8, IDLE, "becomes 0"),
-        (6e-8, 6.1e-5, "#c6dbef", "subnormal:\nfewer significant\nbits, down to 6e-8"),
-        (6.1e-5, 65504, LOW, "normal: all 10 mantissa bits"),
-        (65504, 1e7, "#f4a6a6", "overflow:\ninf"),
+        (1e-11, zero_edge, IDLE, "becomes 0"),
+        (zero_edge, 6.1e-5, "#c6dbef", subnormal),
+        (6.1e-5, overflow, LOW, "normal: all 10 mantissa bits"),
+        (overflow, 1e7, "#f4a6a6", "overflow:\ninf"),
     )
     for start, end, colour, label in zones:
         axes.axvspan(start, end, color=colour, alpha=0.9)
         middle = (start * end) ** 0.5
-        axes.text(middle, 0.8, label, ha="center", va="center", fontsize=9)
-    for edge, label in ((6e-8, "6e-8\n(2^-24)"), (6.1e-5, "6.1e-5"), (65504, "65504")):
+        axes.text(middle, 0.78, label, ha="center", va="center", fontsize=8.5 if "\n" in label else 9)
+    for edge, label in ((zero_edge, "3e-8\n(2^-25)"), (6.1e-5, "6.1e-5"), (overflow, "65520\n(65504 is the largest)")):
         axes.axvline(edge, color="black", lw=0.8)
         axes.text(edge, -0.07, label, ha="center", va="top", fontsize=9)
+    axes.axvline(smallest, color="black", lw=0.8, linestyle=":")
     gradient, scaled = 1e-8, 1e-8 * 2.0**16
     axes.plot([gradient], [0.35], "o", color="#e15759", ms=8)
-    axes.text(gradient / 2, 0.2, "a gradient of 1e-8:\n0 in fp16", ha="center", va="top", fontsize=9)
+    axes.text(gradient / 8, 0.2, "a gradient of 1e-8:\n0 in fp16", ha="center", va="top", fontsize=9)
     axes.plot([scaled], [0.35], "o", color="#59a14f", ms=8)
     axes.text(scaled / 2, 0.2, "1e-8 x 2^16: kept", ha="left", va="top", fontsize=9)
     axes.annotate("", xy=(scaled / 1.6, 0.35), xytext=(gradient * 1.6, 0.35),
@@ -91,51 +94,62 @@ def fp16_range(path: Path) -> None:
     axes.set_ylim(0, 1)
     axes.set_yticks([])
     axes.set_xticks([])
-    axes.set_title("The magnitudes fp16 can hold (bf16 and fp32 reach from 1.18e-38 to about 3.4e38)",
-                   fontsize=10)  # fmt: skip
+    axes.set_title("The magnitudes fp16 can hold, each value rounded to the nearest (bf16 and fp32: normal numbers "
+                   "from 1.18e-38 to about 3.4e38)", fontsize=9)  # fmt: skip
     axes.set_xlabel("magnitude of a value (log scale)", labelpad=28)
     save(fig, path)
 
 
 def autocast_flow(path: Path) -> None:
-    """One training step under autocast: fp32 weights, 16-bit copies and ops, fp32 loss and .grad, the scaler."""
-    fig, axes = canvas(10.5, 5.4, xlim=22, ylim=11)
-    lanes = ((8.2, "forward,\ninside\nautocast"), (4.9, "backward,\noutside\nautocast"))
+    """One training step under autocast: fp32 weights, 16-bit copies and ops, fp32 loss, the scaled backward with
+    DDP's all-reduce overlapping it, fp32 .grad, then the scaler's calls once per optimizer step."""
+    fig, axes = canvas(10.5, 6.0, xlim=22, ylim=12.2)
+    lanes = ((9.4, "forward,\ninside\nautocast"), (6.3, "backward,\noutside\nautocast"))
     lanes += ((1.6, "once per\noptimizer\nstep"),)
     for y, label in lanes:
         axes.text(0.1, y + 0.55, label, va="center", fontsize=9, weight="bold")
-    h, w, xs = 1.1, 3.1, (3.6, 7.2, 10.8, 14.4, 18.0)
+    h, w = 1.1, 3.4
     forward = (
-        ("fp32 weights\n(parameters)", MEMORY),
-        ("autocast casts\na 16-bit copy", LOW),
-        ("conv, linear\nin bf16 / fp16", LOW),
-        ("loss\nin fp32", FP32),
-        ("loss x S\n(fp16 only)", FP32),
+        (3.6, "fp32 weights\n(parameters)", MEMORY),
+        (8.1, "autocast casts\na 16-bit copy", LOW),
+        (12.6, "conv, linear\nin bf16 / fp16", LOW),
+        (17.1, "loss\nin fp32", FP32),
     )
-    for x, (text, colour) in zip(xs, forward):
-        box(axes, x, 8.2, w, h, text, colour, 9)
-    for x0, x1 in zip(xs, xs[1:]):
-        arrow(axes, (x0 + w, 8.75), (x1, 8.75))
-    box(axes, 10.8, 10.0, w, 0.8, "X (the batch)", "#ffffff", 9)
-    arrow(axes, (12.35, 10.0), (12.35, 9.3))
-    box(axes, 14.4, 4.9, 4.2, h, "backward of each op\nin its forward's dtype", LOW, 9)
-    box(axes, 9.0, 4.9, w, h, "cast back\nto fp32", FP32, 9)
-    box(axes, 3.6, 4.9, w, h, ".grad in fp32\n(x S under fp16)", FP32, 9)
-    arrow(axes, (19.55, 8.2), (18.0, 6.0))
-    arrow(axes, (14.4, 5.45), (12.1, 5.45))
-    arrow(axes, (9.0, 5.45), (6.7, 5.45))
+    for x, text, colour in forward:
+        box(axes, x, 9.4, w, h, text, colour, 9)
+    for (x0, *_), (x1, *_) in zip(forward, forward[1:]):
+        arrow(axes, (x0 + w, 9.95), (x1, 9.95))
+    box(axes, 12.6, 11.2, w, 0.8, "X (the batch)", "#ffffff", 9)
+    arrow(axes, (14.3, 11.2), (14.3, 10.5))
+    backward = (
+        (17.1, "scaler.scale:\nloss x S (fp16 only)", FP32),
+        (11.4, "backward of each op\nin its forward's dtype", LOW),
+        (7.2, "cast back\nto fp32", FP32),
+        (3.0, ".grad in fp32\n(x S under fp16)", FP32),
+    )
+    widths = (3.8, 4.4, 2.8, 3.0)
+    for (x, text, colour), width in zip(backward, widths):
+        box(axes, x, 6.3, width, h, text, colour, 9)
+    arrow(axes, (18.8, 9.4), (18.8, 7.4))
+    arrow(axes, (17.1, 6.85), (15.8, 6.85))
+    arrow(axes, (11.4, 6.85), (10.0, 6.85))
+    arrow(axes, (7.2, 6.85), (6.0, 6.85))
+    box(axes, 4.4, 4.2, 13.6, 1.2, "DDP all-reduce of the fp32 gradients (still x S), bucket by bucket,\n"
+        "during the last micro-step's backward, done when backward() returns", COMMUNICATE, 9)  # fmt: skip
+    arrow(axes, (13.6, 6.3), (13.6, 5.4))
+    arrow(axes, (5.2, 5.4), (5.2, 6.3))
     optimizer = (
-        ("DDP all-reduce\n(fp32, still x S)", COMMUNICATE),
         ("unscale_:\ndivide by S", FP32),
         ("clip the\ntrue gradient", FP32),
-        ("step, skipped\non inf / NaN", FP32),
+        ("step (skipped\non inf / NaN)", FP32),
         ("update S:\nhalve or grow", FP32),
     )
+    xs = (3.0, 7.7, 12.4, 17.1)
     for x, (text, colour) in zip(xs, optimizer):
         box(axes, x, 1.6, w, h, text, colour, 9)
     for x0, x1 in zip(xs, xs[1:]):
         arrow(axes, (x0 + w, 2.15), (x1, 2.15))
-    arrow(axes, (5.15, 4.9), (5.15, 2.7))
+    arrow(axes, (3.6, 6.3), (3.6, 2.7))
     legend = ((3.6, LOW, "16-bit (bf16 or fp16)"), (9.0, FP32, "fp32"), (12.0, MEMORY, "stored in fp32"))
     legend += ((15.6, COMMUNICATE, "communication"),)
     for x, colour, label in legend:
@@ -211,7 +225,7 @@ def _speed_and_memory(path: Path, rows: dict, title: str) -> None:
     speed.set_ylim(0, max(row["speedup"] for row in rows.values()) * 1.2)
     bars = saved.bar(names, [rows[name]["saved"] for name in names], color=colours, edgecolor="black")
     saved.bar_label(bars, [f"{rows[name]['saved']:.1f}" for name in names], fontsize=9)
-    saved.set_ylabel("saved for backward (MiB)")
+    saved.set_ylabel("kept for backward (MiB)")
     saved.set_ylim(0, max(row["saved"] for row in rows.values()) * 1.2)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
