@@ -80,11 +80,13 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
 # ## fp16 underflow, and what the scale rescues
 #
 # Below its smallest normal number, 6.1e-5, fp16 still has *subnormals*. They keep fewer and fewer significant
-# bits, down to 2**-24, about 6e-8. Below that a value becomes 0. Gradients that small are common. The gradient of
+# bits, down to 2**-24, about 6e-8. Conversion rounds to the nearest fp16 number. So values between 3e-8 and 6e-8
+# round up to 6e-8, and values below 2**-25, about 3e-8, become 0. Gradients that small are common. The gradient of
 # a mean loss is divided by the batch size, and products of small factors get smaller still.
 #
 # Multiplying the loss by a scale S multiplies every gradient by S. That lifts them back into fp16's range.
-# Dividing by S in fp32 afterwards restores their true value.
+# Dividing by S in fp32 afterwards restores their true value. The last column of the table does exactly that:
+# times 2**16, rounded to fp16, divided by 2**16.
 #
 # ![fp16's range on a log axis: a gradient of 1e-8 lost, rescued by the scale](../lessons/figures/05_fp16_range.png)
 
@@ -114,7 +116,8 @@ print(f"\ngradient of w, true value 1e-08: unscaled {gradient(1.0):.4g}, with lo
 #
 # No fixed scale suits a whole training run. Too small, and gradients underflow. Too large, and they overflow to
 # inf. `GradScaler` starts high, at 2**16 by default, and adapts. `scaler.step` checks the unscaled gradients for
-# inf and NaN. If it finds any, it skips `optimizer.step()`, and `scaler.update()` halves the scale. After
+# inf and NaN. If it finds any, it skips `optimizer.step()`, and `scaler.update()` halves the scale. A fused
+# optimizer is called anyway, and skips the update inside its kernel. After
 # `growth_interval` steps in a row without one, it doubles the scale. The default interval is 2000 steps. Here it
 # is 3, and the scale starts at 1024. Steps 2 and 3 get an inf gradient injected.
 
@@ -141,10 +144,12 @@ for step in range(1, 10):
 # ## unscale_ before clipping
 #
 # After `scaler.scale(loss).backward()`, the `.grad` tensors hold S times the gradient. Clipping them to
-# `max_norm` bounds S times the gradient. Then `scaler.step` divides by S, and the step is S times smaller than
-# intended. `scaler.unscale_(optimizer)` divides first, so that the clip sees the true gradient. `scaler.step`
-# knows it was done, and does not divide again. The scaler here is enabled with fp32 arithmetic. So the right order
-# reproduces plain fp32 clipping exactly.
+# `max_norm` bounds S times the gradient. Then `scaler.step` divides by S, and the step is up to S times smaller
+# than intended. It is exactly S times smaller when the true gradient would have been clipped too, as here.
+# `scaler.unscale_(optimizer)` divides first, so that the clip sees the true gradient. `scaler.step` knows it was
+# done, and does not divide again. The scaler here is enabled with fp32 arithmetic. So the right order reproduces
+# plain fp32 clipping. The cell compares the steps with `torch.allclose`, so "equals" means equal to within
+# rounding.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -225,8 +230,8 @@ plt.show()
 #
 # `benchmarks/mixed_precision.py` times training steps of SimpleCNN, in one process per precision. It also counts
 # the memory that autograd saves for the backward pass. On a CPU, the speed of bf16 and fp16 depends on the
-# instructions the CPU has. On a GPU, the lesson's H100 and H200 runs show that it depends on the model and on
-# which fp32 you compare with.
+# instructions the CPU has. On a GPU, the lesson's H100 and H200 runs show that it depends on which fp32 you
+# compare with.
 
 # %%
 run = subprocess.run(
