@@ -16,9 +16,10 @@
 # %% [markdown]
 # # Lesson 05: mixed precision
 #
-# The companion notebook of `lessons/05_mixed_precision.md`: what fp16 and bf16 can hold, why fp16 gradients need
-# loss scaling, how `torch.amp.GradScaler` adapts its scale, why `unscale_` comes before clipping, and what bf16
-# and fp16 do to training and speed on the machine at hand. Training runs go through `torchrun` as subprocesses.
+# The companion notebook of `lessons/05_mixed_precision.md`. It shows what fp16 and bf16 can hold, and why fp16
+# gradients need loss scaling. It shows how `torch.amp.GradScaler` adapts its scale, and why `unscale_` comes
+# before clipping. Then it measures what bf16 and fp16 do to training and speed on the machine at hand. Training
+# runs go through `torchrun`, as subprocesses.
 
 # %% tags=["parameters"]
 import os
@@ -57,9 +58,12 @@ from common.launch import REPO, launch
 # %% [markdown]
 # ## Three formats
 #
-# A float is a sign, an exponent (the range: how large and how small) and a mantissa (the precision: how many
-# significant bits). fp16 and bf16 are both 16 bits, split differently: fp16 keeps precision and gives up range,
-# bf16 keeps fp32's 8-bit exponent, so its range, and keeps only 7 mantissa bits.
+# A float is stored in three fields: a sign, an exponent and a mantissa. The exponent sets the range, how large
+# and how small a number can get. The mantissa sets the precision, how many significant bits a number keeps. The
+# fp16 and bf16 formats both have 16 bits, split differently. The fp16 format keeps precision and gives up range.
+# The bf16 format keeps fp32's 8-bit exponent, and so its range, but keeps only 7 mantissa bits.
+#
+# ![fp32, fp16 and bf16 drawn as rows of sign, exponent and mantissa bits](../lessons/figures/05_float_formats.png)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -75,11 +79,16 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
 # %% [markdown]
 # ## fp16 underflow, and what the scale rescues
 #
-# Below its smallest normal number (6.1e-5) fp16 still has *subnormals*, with fewer and fewer significant bits,
-# down to 2**-24 = 6e-8. Below that a value becomes 0. Gradients of that size are common: the gradient of a mean
-# loss is divided by the batch size, and products of small factors get smaller. Multiplying the loss by a scale
-# S multiplies every gradient by S, which lifts them back into fp16's range; dividing by S in fp32 afterwards
-# restores their value.
+# Below its smallest normal number, 6.1e-5, fp16 still has *subnormals*. They keep fewer and fewer significant
+# bits, down to 2**-24, about 6e-8. Conversion rounds to the nearest fp16 number. So values between 3e-8 and 6e-8
+# round up to 6e-8, and values below 2**-25, about 3e-8, become 0. Gradients that small are common. The gradient of
+# a mean loss is divided by the batch size, and products of small factors get smaller still.
+#
+# Multiplying the loss by a scale S multiplies every gradient by S. That lifts them back into fp16's range.
+# Dividing by S in fp32 afterwards restores their true value. The last column of the table does exactly that:
+# times 2**16, rounded to fp16, divided by 2**16.
+#
+# ![fp16's range on a log axis: a gradient of 1e-8 lost, rescued by the scale](../lessons/figures/05_fp16_range.png)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -105,11 +114,12 @@ print(f"\ngradient of w, true value 1e-08: unscaled {gradient(1.0):.4g}, with lo
 # %% [markdown]
 # ## The scaler's dynamics
 #
-# No fixed scale suits a whole training run: too small and gradients underflow, too large and they overflow to
-# inf. `GradScaler` starts high (2**16) and adapts. `scaler.step` checks the unscaled gradients for inf and NaN:
-# if it finds any, it skips `optimizer.step()`, and `scaler.update()` halves the scale; after `growth_interval`
-# steps in a row without one (2000 by default, 3 here), it doubles the scale. Below, steps 2 and 3 get an inf
-# gradient injected.
+# No fixed scale suits a whole training run. Too small, and gradients underflow. Too large, and they overflow to
+# inf. `GradScaler` starts high, at 2**16 by default, and adapts. `scaler.step` checks the unscaled gradients for
+# inf and NaN. If it finds any, it skips `optimizer.step()`, and `scaler.update()` halves the scale. A fused
+# optimizer is called anyway, and skips the update inside its kernel. After
+# `growth_interval` steps in a row without one, it doubles the scale. The default interval is 2000 steps. Here it
+# is 3, and the scale starts at 1024. Steps 2 and 3 get an inf gradient injected.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -133,11 +143,13 @@ for step in range(1, 10):
 # %% [markdown]
 # ## unscale_ before clipping
 #
-# After `scaler.scale(loss).backward()` the `.grad` tensors hold S times the gradient. Clipping them to
-# `max_norm` bounds S times the gradient, and `scaler.step` then divides by S: the step is S times smaller than
-# intended. `scaler.unscale_(optimizer)` divides first, so that the clip sees the true gradient; `scaler.step`
-# knows it was done and does not divide again. The scale here is enabled with fp32 arithmetic, so the right way
-# reproduces plain fp32 clipping exactly.
+# After `scaler.scale(loss).backward()`, the `.grad` tensors hold S times the gradient. Clipping them to
+# `max_norm` bounds S times the gradient. Then `scaler.step` divides by S, and the step is up to S times smaller
+# than intended. It is exactly S times smaller when the true gradient would have been clipped too, as here.
+# `scaler.unscale_(optimizer)` divides first, so that the clip sees the true gradient. `scaler.step` knows it was
+# done, and does not divide again. The scaler here is enabled with fp32 arithmetic. So the right order reproduces
+# plain fp32 clipping. The cell compares the steps with `torch.allclose`, so "equals" means equal to within
+# rounding.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -176,8 +188,9 @@ for mode in ("fp32, no scaler", "unscale_, then clip", "clip the scaled gradient
 # %% [markdown]
 # ## bf16 and fp16 training on digits
 #
-# `solutions/04_mixed_precision.py` trains with `--precision fp32`, `bf16` and `fp16`, same seed. Evaluation runs
-# in fp32 on the trained (fp32) weights. fp16 prints its loss scale and the steps it skipped each epoch.
+# `solutions/04_mixed_precision.py` trains with `--precision fp32`, `bf16` and `fp16`, with the same seed.
+# Evaluation runs in fp32, on the trained weights, which are fp32. The fp16 run prints its loss scale and the steps
+# it skipped in each epoch.
 
 # %%
 histories = {}
@@ -215,9 +228,10 @@ plt.show()
 # %% [markdown]
 # ## Speed and memory, measured
 #
-# `benchmarks/mixed_precision.py` times training steps of SimpleCNN in one process per precision, and counts
-# the memory autograd saves for the backward pass. On a GPU with tensor cores, bf16 and fp16 are where the
-# speed is; on a CPU it depends on the instructions it has (see the lesson).
+# `benchmarks/mixed_precision.py` times training steps of SimpleCNN, in one process per precision. It also counts
+# the memory that autograd saves for the backward pass. On a CPU, the speed of bf16 and fp16 depends on the
+# instructions the CPU has. On a GPU, the lesson's H100 and H200 runs show that it depends on which fp32 you
+# compare with.
 
 # %%
 run = subprocess.run(

@@ -244,3 +244,98 @@ def test_a_gradscaler_without_a_device_means_cuda_and_silently_switches_off_with
     assert not scaler.is_enabled()
     loss = torch.tensor(2.0)
     assert scaler.scale(loss) is loss  # no scaling at all: fp16 gradients would underflow unnoticed
+
+
+def test_fp16_rounds_to_the_nearest_number_at_both_ends_of_its_range():
+    smallest = 2.0**-24  # the smallest fp16 subnormal, about 6e-8
+    assert torch.tensor(3e-8).half().item() == smallest  # above 2**-25: rounds up, not to 0
+    assert torch.tensor(5e-8).half().item() == smallest
+    assert torch.tensor(2.9e-8).half().item() == 0.0  # below 2**-25, about 3e-8: 0
+    assert torch.tensor(65519.0).half().item() == 65504.0  # the largest fp16, not inf
+    assert torch.tensor(65520.0).half().item() == float("inf")
+
+
+def test_bf16_keeps_fp32s_normal_range_but_not_all_of_its_subnormals():
+    assert torch.finfo(torch.bfloat16).tiny == torch.finfo(torch.float32).tiny  # 1.18e-38, the smallest normal
+    assert torch.tensor(2e-38).bfloat16().item() == pytest.approx(2e-38, rel=1e-2)
+    assert torch.tensor(1e-8).bfloat16().item() == pytest.approx(1e-8, rel=1e-2)
+    assert torch.tensor(1e-42).item() == pytest.approx(1e-42, rel=1e-2)  # an fp32 subnormal
+    assert torch.tensor(1e-42).bfloat16().item() == 0.0  # below bf16's smallest subnormal, 2**-133
+
+
+def test_an_update_below_1_512_of_a_weight_is_lost_in_bf16_and_kept_in_fp32():
+    weights = torch.rand(1000, generator=torch.Generator().manual_seed(0)) * 100 + 1e-3
+    update = 0.99 * weights / 512
+    assert torch.equal((weights.bfloat16() + update.bfloat16()), weights.bfloat16())  # every update lost
+    assert ((weights + update) != weights).all()  # fp32 keeps every one
+
+
+def test_an_op_on_no_autocast_list_keeps_its_inputs_dtype_or_promotes_to_the_wider():
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        low, full = torch.randn(4, dtype=torch.bfloat16), torch.randn(4)
+        assert low.mean().dtype == torch.bfloat16
+        assert (low + full).dtype == torch.float32  # type promotion: the wider of the two
+
+
+def test_autocast_casts_a_weight_once_per_autocast_region():
+    def casts(output):
+        """The cast nodes (ToCopyBackward) in the graph behind ``output``."""
+        found, stack = [], [output.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is not None:
+                found += [node] if type(node).__name__.startswith("ToCopyBackward") else []
+                stack += [child for child, _ in node.next_functions]
+        return found
+
+    weight, X = torch.randn(4, 4, requires_grad=True), torch.randn(2, 4)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        first, second = F.linear(X, weight), F.linear(X, weight)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        next_forward = F.linear(X, weight)
+    assert len(casts(first)) == len(casts(second)) == len(casts(next_forward)) == 1
+    assert casts(first)[0] is casts(second)[0]  # one cached bf16 copy for both ops of the region
+    assert casts(next_forward)[0] is not casts(first)[0]  # the cache was dropped when the region exited
+
+
+def test_on_inf_a_fused_optimizer_is_called_and_skips_the_update_inside():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    calls = []
+    optimizer.register_step_pre_hook(lambda *_: calls.append(1))
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(8, 4)).square().mean()).backward()
+    model.weight.grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(optimizer)
+    scaler.update()
+    assert calls == [1]  # optimizer.step() ran: a non-fused optimizer would not have been called
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # but nothing moved
+    assert scaler.get_scale() == 2.0**15
+
+
+def test_clipping_an_inf_gradient_after_unscale_gives_nan_and_the_scaler_still_skips():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(8, 4)).square().mean()).backward()
+    model.weight.grad[0, 0] = float("inf")
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert model.weight.grad[0, 0].isnan() and (model.weight.grad.flatten()[1:] == 0).all()  # inf x 0, finite x 0
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(optimizer)
+    scaler.update()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters())) and scaler.get_scale() == 2.0**15
+
+
+def test_dropout_keeps_a_float_mask_on_the_cpu():
+    # The CPU's dropout keeps its scaled random mask in the input's dtype; CUDA's fused native_dropout keeps a bool
+    # mask. So the count of what autograd keeps differs a little between a CPU and a GPU.
+    kept = []
+    X = torch.randn(8, 16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        F.dropout(X, 0.5, training=True)
+    assert kept == [(torch.float32, (8, 16))]
