@@ -115,7 +115,8 @@ def bucket_grid(path: Path) -> None:
     ]
     tensors = [f"{layer}.{kind}" for layer in range(6) for kind in ("weight", "bias")]
     widths = {"weight": 0.9, "bias": 0.3}
-    fig, axes = canvas(10, 4.6, xlim=14.5, ylim=len(rows) + 1.6)
+    fig, axes = canvas(10.5, 5.2, xlim=15.8, ylim=len(rows) + 1.4)
+    axes.set_ylim(-1.1, len(rows) + 1.4)  # room below the rows for the find_unused_parameters cut and the caption
     x0 = 3.0
     for column, name in enumerate(tensors):
         layer, kind = name.split(".")
@@ -133,9 +134,24 @@ def bucket_grid(path: Path) -> None:
             box(axes, x, y + 0.1, widths[kind], 0.6, str(where[name]), RANK_COLOURS[where[name]], 8, color="white")
         sizes = ", ".join(f"{index}: {mib} MiB" for index, mib, _ in sorted(buckets))
         axes.text(x0 + 6 * 1.3 + 0.1, y + 0.4, f"bucket {sizes}", va="center", fontsize=8.5)
+    # find_unused_parameters=True (the bottom row): mark where the 1 MiB cut, counted from layer 0, fell
+    where = {name: index for index, _, names in rows[-1][1] for name in names}
+    for before, after in zip(tensors, tensors[1:]):
+        if where[before] != where[after]:
+            layer, kind = after.split(".")
+            x = x0 + int(layer) * 1.3 + (0.95 if kind == "bias" else 0) - 0.025
+            axes.plot([x, x], [-0.15, 0.85], color=RED, lw=2)
+            axes.text(
+                x,
+                -0.35,
+                f"the 1 MiB cut, counted from layer 0, falls inside layer {layer}: its weight and bias split",
+                ha="center",
+                fontsize=8.5,
+                color=RED,
+            )
     axes.text(
         7.2,
-        -0.3,
+        -0.95,
         "Six Linear(256, 256) layers on 2 ranks; a cell's number is the bucket its gradient travels in "
         "(bucket 0 first)",
         ha="center",
@@ -224,8 +240,9 @@ def batchnorm_buffers(path: Path) -> None:
         0.1,
         0.35,
         "A1, A2, A3: rank 0's batches; B1, B2, B3: rank 1's. A box lists the batches whose statistics the running "
-        "averages hold,\nwith DDP's default forward_sync_buffers=True. No box ever holds the global batch "
-        "(A and B together): that takes synchronized BatchNorm.",
+        "averages hold,\nwith DDP's default forward_sync_buffers=True and no Join (under Join the highest rank "
+        "still training sends).\nNo box ever holds the global batch (A and B together): that takes synchronized "
+        "BatchNorm.",
         fontsize=8.5,
     )
     save(fig, path)
