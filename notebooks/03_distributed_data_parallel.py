@@ -16,10 +16,11 @@
 # %% [markdown]
 # # Lesson 03: DistributedDataParallel
 #
-# The companion notebook of `lessons/03_distributed_data_parallel.md`. It runs alike on a laptop CPU, with gloo,
-# and on a GPU machine, with NCCL. Training runs go through `torchrun` as a subprocess, exactly as you would
-# launch them. What must run inside several processes comes from `common/`. A spawned process cannot see a
-# function defined in a notebook cell.
+# The companion notebook of `lessons/03_distributed_data_parallel.md`. Its demos run gloo processes on the CPU,
+# wherever the notebook runs. Only the training run uses NCCL, on a machine with a GPU for each of its 2
+# processes. With a GPU, one demo also runs `nn.SyncBatchNorm` on it. The training run goes through `torchrun`
+# as a subprocess, exactly as you would launch it. What must run inside several processes comes from
+# `common/`. A spawned process cannot see a function defined in a notebook cell.
 
 # %% tags=["parameters"]
 import os
@@ -167,7 +168,8 @@ for name, result in recorded.items():
 # first bucket closes as soon as it reaches 1 MiB, the value of `torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`.
 # Later buckets close at `bucket_cap_mb`, 25 MiB by default. An explicit `bucket_cap_mb` caps the first bucket
 # too. With `find_unused_parameters=True`, the buckets are cut from `model.parameters()` in order, the first cut
-# at 1 MiB. The list is then reversed, and never rebuilt.
+# at 1 MiB. That cut falls inside layer 3, so its weight and its bias travel in different buckets. The list is
+# then reversed, and never rebuilt.
 
 # %% [markdown]
 # ## Training with DDP, launched as you would launch it
@@ -237,9 +239,9 @@ for kind in ("plain", "synchronized"):
         show(f"rank {rank}, {kind}", result[kind]["buffers"])
 
 # %% [markdown]
-# The real layer comes from `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)`, before DDP. It runs on
-# GPUs only in PyTorch 2.14: on CPU tensors its forward raises `ValueError`. With a CUDA device, the same demo
-# runs it too, on the GPU:
+# The real layer comes from `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)`, before DDP. PyTorch 2.14
+# has no CPU implementation of it: on CPU tensors its forward raises `ValueError`. With a CUDA device, the same
+# demo runs it too, on the GPU:
 
 # %%
 if "sync_batchnorm" in ranks[0]:
@@ -252,8 +254,8 @@ else:
 # ## BatchNorm statistics through DDP
 #
 # The cells above ran BatchNorm without DDP. Through DDP, the running averages meet DDP's handling of buffers.
-# With its default `forward_sync_buffers=True`, every forward starts by broadcasting rank 0's buffers to every
-# rank:
+# With its default `forward_sync_buffers=True`, every training forward starts by broadcasting rank 0's buffers
+# to every rank:
 #
 # ![Two ranks over three steps: each forward starts by copying rank 0's running statistics to rank 1, which then
 # folds in its own batch](../lessons/figures/03_batchnorm_buffers.png)
