@@ -16,10 +16,11 @@
 # %% [markdown]
 # # Lesson 03: DistributedDataParallel
 #
-# The companion notebook of `lessons/03_distributed_data_parallel.md`. It runs on a laptop CPU (gloo) and on a
-# GPU machine (NCCL) alike. Training runs go through `torchrun` as a subprocess, exactly as you would launch
-# them; what must run inside several processes comes from `common/`, since a spawned process cannot see a
-# function defined in a notebook cell.
+# The companion notebook of `lessons/03_distributed_data_parallel.md`. Its demos run gloo processes on the CPU,
+# wherever the notebook runs. Only the training run uses NCCL, on a machine with a GPU for each of its 2
+# processes. With a GPU, one demo also runs `nn.SyncBatchNorm` on it. The training run goes through `torchrun`
+# as a subprocess, exactly as you would launch it. What must run inside several processes comes from
+# `common/`. A spawned process cannot see a function defined in a notebook cell.
 
 # %% tags=["parameters"]
 import os
@@ -50,8 +51,13 @@ print(f"PyTorch {torch.__version__}, {torch.cuda.device_count()} CUDA device(s)"
 # %% [markdown]
 # ## What torchrun tells each process
 #
-# `torchrun` starts the processes and hands each one its identity in environment variables. `--no-python` lets
-# it start any command, here a shell that prints them:
+# `torchrun` starts the processes and hands each one its identity in environment variables. `RANK` is unique
+# over all machines, and `LOCAL_RANK` picks the GPU on this machine:
+#
+# ![Two nodes of four GPUs each, with every process labelled by its
+# RANK and LOCAL_RANK](../lessons/figures/03_ranks_on_two_nodes.png)
+#
+# `--no-python` lets `torchrun` start any command, here a shell that prints the variables:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -70,9 +76,14 @@ print("\n".join(sorted(lines)))
 # %% [markdown]
 # ## DistributedSampler: one shard per rank, padded to divide
 #
-# Every rank builds the same data set; the sampler picks this rank's indices. Ten samples on three ranks: each
-# rank gets four, so two samples appear twice. That padding is harmless in training, and wrong in evaluation
-# unless it is dropped (`common.metrics.evaluate` drops it).
+# Every rank builds the same data set, and the sampler picks this rank's indices. It shuffles one permutation,
+# pads it with its own first indices, and deals it round-robin:
+#
+# ![DistributedSampler shuffles ten indices, pads them with the permutation's first two, and deals them round-robin
+# to three ranks](../lessons/figures/03_sampler_shards.png)
+#
+# Below, ten samples on three ranks, unshuffled. Each rank gets four, so two samples appear twice. That padding
+# is harmless in training. In evaluation it is wrong unless it is dropped, as `common.metrics.evaluate` does.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -113,10 +124,16 @@ for rank, weights in enumerate(run_on_ranks(weights_before_and_after_ddp, 3, tim
 # %% [markdown]
 # ## DDP's gradient buckets
 #
-# DDP all-reduces gradients bucket by bucket. Which parameters share a bucket changes after the first step. Six
-# `Linear(256, 256)` layers (257 KiB each) train for 2 steps on 2 ranks, and a communication hook records every
-# bucket as DDP hands it over for its allreduce (`common.ddp.ddp_buckets`): with the defaults, with
-# `bucket_cap_mb=0.3`, and with `find_unused_parameters=True`. Buckets go in index order, bucket 0 first.
+# DDP packs the gradients into a few flat buffers, called buckets, and runs one all-reduce per bucket. A
+# bucket's all-reduce starts as soon as its gradients are ready, while backward goes on with earlier layers:
+#
+# ![A timeline of one DDP step for six layers: in step 1 one all-reduce starts after the whole backward. From step
+# 2, bucket 0 travels while layers 1 and 0 still compute](../lessons/figures/03_backward_timeline.png)
+#
+# Which parameters share a bucket changes after the first step. Six `Linear(256, 256)` layers of 257 KiB each
+# train for 2 steps on 2 ranks. A communication hook records every bucket as DDP hands it over for its
+# all-reduce, in `common.ddp.ddp_buckets`. It runs three times: with the defaults, with `bucket_cap_mb=0.3`, and
+# with `find_unused_parameters=True`. Buckets go in index order, bucket 0 first.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -143,12 +160,16 @@ for name, result in recorded.items():
             )
 
 # %% [markdown]
-# By default the first step has one bucket of everything: DDP does not know yet in which order the gradients
-# come. The next forward rebuilds the buckets in the order the gradients became ready (the last layer first): a
-# first bucket closed as soon as it reaches 1 MiB (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`), then
-# buckets of `bucket_cap_mb` (25 MiB by default; an explicit value caps the first bucket too). With
-# `find_unused_parameters=True` the buckets are cut from `model.parameters()` in order, the first cut at 1 MiB,
-# the list reversed, and never rebuilt.
+# ![A grid of six layers' weights and biases, coloured by the bucket each travels in, for DDP's defaults, a 0.3 MiB
+# cap and find_unused_parameters](../lessons/figures/03_bucket_grid.png)
+#
+# By default the first step has one bucket of everything. DDP does not know yet in which order the gradients
+# come. The next forward rebuilds the buckets in the order the gradients became ready, the last layer first. The
+# first bucket closes as soon as it reaches 1 MiB, the value of `torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`.
+# Later buckets close at `bucket_cap_mb`, 25 MiB by default. An explicit `bucket_cap_mb` caps the first bucket
+# too. With `find_unused_parameters=True`, the buckets are cut from `model.parameters()` in order, the first cut
+# at 1 MiB. That cut falls inside layer 3, so its weight and its bias travel in different buckets. The list is
+# then reversed, and never rebuilt.
 
 # %% [markdown]
 # ## Training with DDP, launched as you would launch it
@@ -182,12 +203,12 @@ print(
 # %% [markdown]
 # ## BatchNorm across ranks
 #
-# One batch of 16 images, the last 8 brighter, split over two ranks: each runs SimpleCNN's convolutional layers
-# once in training mode on its half. With plain BatchNorm each rank normalises with its own half's statistics
-# and folds them into its own running averages. The hand-made synchronized BatchNorm of `common/batchnorm.py`
-# all-reduces the statistics first, and matches one process holding the whole batch. Shown: the first
-# BatchNorm's `running_mean` (3 of 64 channels), and the largest difference, over all 64 channels, from the
-# single process.
+# One batch of 16 images, the last 8 brighter, is split over two ranks. Each rank runs SimpleCNN's
+# convolutional layers once in training mode on its half. With plain BatchNorm, each rank normalises with its
+# own half's statistics and folds them into its own running averages. The hand-made synchronized BatchNorm of
+# `common/batchnorm.py` all-reduces the statistics first. It matches one process holding the whole batch. The
+# cell shows the first BatchNorm's `running_mean` for 3 of its 64 channels. It also shows the largest
+# difference from the single process, over all 64 channels.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -218,9 +239,9 @@ for kind in ("plain", "synchronized"):
         show(f"rank {rank}, {kind}", result[kind]["buffers"])
 
 # %% [markdown]
-# The real `nn.SyncBatchNorm` (`model = nn.SyncBatchNorm.convert_sync_batchnorm(model)` before DDP) runs on GPUs
-# only in PyTorch 2.14: on CPU tensors its forward raises `ValueError`. With a CUDA device, the same demo runs
-# it too, on the GPU:
+# The real layer comes from `model = nn.SyncBatchNorm.convert_sync_batchnorm(model)`, before DDP. PyTorch 2.14
+# has no CPU implementation of it: on CPU tensors its forward raises `ValueError`. With a CUDA device, the same
+# demo runs it too, on the GPU:
 
 # %%
 if "sync_batchnorm" in ranks[0]:
@@ -232,12 +253,17 @@ else:
 # %% [markdown]
 # ## BatchNorm statistics through DDP
 #
-# The cells above ran BatchNorm without DDP. Through DDP, the running averages meet DDP's handling of buffers:
-# with its default `forward_sync_buffers=True`, every forward starts by broadcasting rank 0's buffers to every
-# rank. A lone `BatchNorm2d(2)` trains for 3 steps on 2 ranks, each on batches of its own, rank 1's brighter
-# (`common.batchnorm.batch_norm_statistics_through_ddp`). Beside each rank's `running_mean`: the batches whose
-# statistics it holds, found by comparing its buffers with values computed by hand
-# (`common.batchnorm.running_statistics`).
+# The cells above ran BatchNorm without DDP. Through DDP, the running averages meet DDP's handling of buffers.
+# With its default `forward_sync_buffers=True`, every training forward starts by broadcasting rank 0's buffers
+# to every rank:
+#
+# ![Two ranks over three steps: each forward starts by copying rank 0's running statistics to rank 1, which then
+# folds in its own batch](../lessons/figures/03_batchnorm_buffers.png)
+#
+# A lone `BatchNorm2d(2)` trains for 3 steps on 2 ranks, each on batches of its own, rank 1's brighter. The code
+# is `common.batchnorm.batch_norm_statistics_through_ddp`. Beside each rank's `running_mean` stand the batches
+# whose statistics it holds. The cell finds them by comparing the buffers with values computed by hand, in
+# `common.batchnorm.running_statistics`.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -279,17 +305,22 @@ for variant in ("forward_sync_buffers=True", "forward_sync_buffers=False", "sync
 print("nn.SyncBatchNorm in DDP on CPU:", through_ddp[0]["sync_batchnorm_on_cpu"])
 
 # %% [markdown]
-# With the default, rank 0 keeps the statistics of its own shard, and rank 1 those of rank 0, moved by its own
-# last batch; evaluation through the DDP wrapper (as `common.metrics.evaluate(net, ...)` runs in
-# `solutions/01_ddp_basic.py`) starts with the broadcast, so every rank evaluates with rank 0's statistics, the
-# ones the checkpoint holds. Only synchronized BatchNorm gives every rank the statistics of the global batches.
+# With the default, rank 0 keeps the statistics of its own shard. Rank 1 keeps those of rank 0, moved by its own
+# last batch. `solutions/01_ddp_basic.py` evaluates through the DDP wrapper, with
+# `common.metrics.evaluate(net, ...)`. That evaluation starts with the broadcast, so every rank evaluates with
+# rank 0's statistics. The checkpoint holds the same ones. Only synchronized BatchNorm gives every rank the
+# statistics of the global batches.
 
 # %% [markdown]
 # ## Uneven inputs: the failure, and Join
 #
 # Rank 0 has 4 batches, rank 1 has 3. Without `Join`, rank 0's fourth backward starts a gradient all-reduce that
-# rank 1 never runs: rank 1 has moved on to `replicas_in_sync`, an all-reduce of its own. The deadline (60 s) is
-# a safety net; what happens first is below.
+# rank 1 never runs. Rank 1 has moved on to `replicas_in_sync`, which runs all-reduces of its own:
+#
+# ![Without Join, rank 0's fourth gradient all-reduce pairs with rank 1's replicas_in_sync and fails, while with Join
+# rank 1 answers it with zeros](../lessons/figures/03_collectives_pair_by_order.png)
+#
+# The deadline of 60 s is only a safety net. What happens first is below.
 
 # %%
 import time
@@ -306,11 +337,11 @@ else:
     print("without Join: no error")  # not what PyTorch 2.14 does; the lesson would need updating
 
 # %% [markdown]
-# Collectives pair up by their order, not by their meaning. gloo paired rank 1's all-reduce of its parameters
-# (float64) with rank 0's all-reduce of its gradients (float32), found sizes that differ, and aborted rank 0: the
-# `terminate called ... collective mismatch` lines come from rank 0. Rank 1 then lost its peer: the
-# `RuntimeError`. Had the two all-reduces had the same size, nothing would have failed and both ranks would have
-# carried on with wrong numbers (`tests/test_join.py` shows it).
+# Collectives pair up by their order, not by their meaning. gloo paired rank 1's all-reduce of its parameters,
+# in float64, with rank 0's all-reduce of its gradients, in float32. It found sizes that differ, and aborted
+# rank 0. The `terminate called ... collective mismatch` lines come from rank 0. Rank 1 then lost its peer: that
+# is the `RuntimeError`. Had the two all-reduces had the same size, nothing would have failed. Both ranks would
+# have carried on with wrong numbers, as the course's tests show.
 #
 # With `with Join([model]):` around the loop, rank 1 answers rank 0's last gradient all-reduce with zeros, and
 # both ranks leave with the same parameters:

@@ -4,6 +4,7 @@ resumed through a fresh DDP wrapper against the uninterrupted one (real gloo gro
 The functions that run on the ranks live at module level, because spawned processes import them by name.
 """
 
+import os
 import pickle
 
 import pytest
@@ -51,6 +52,20 @@ def test_only_global_rank_0_writes(tmp_path, monkeypatch):
     model, optimizer = trained_lenet(seed=0)
     save_checkpoint(tmp_path / "ckpt.pt", model, optimizer, epoch=1, step=1)
     assert list(tmp_path.iterdir()) == []
+
+
+def save_as_local_rank_0_of_its_node(env, folder):
+    """Two nodes of one process each: both ranks are LOCAL_RANK 0. Each names its own file, so the test can tell
+    which rank wrote."""
+    os.environ["LOCAL_RANK"] = "0"
+    model, optimizer = trained_lenet(seed=0)
+    save_checkpoint(f"{folder}/from_rank_{env.rank}.pt", model, optimizer, epoch=1, step=1)
+
+
+def test_on_two_nodes_global_rank_0_writes_and_the_other_local_rank_0_does_not(tmp_path):
+    # A writer chosen by LOCAL_RANK == 0 would write both files (it did, when is_main was changed to that test).
+    run_on_ranks(save_as_local_rank_0_of_its_node, 2, str(tmp_path), timeout=90)
+    assert [p.name for p in tmp_path.iterdir()] == ["from_rank_0.pt"]
 
 
 def test_a_failed_write_leaves_the_previous_file_whole_and_no_temporary_file(tmp_path):
