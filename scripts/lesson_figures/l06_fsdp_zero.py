@@ -125,8 +125,9 @@ def collectives(path: Path) -> None:
     axes.text(
         15.2,
         4.3,
-        "Each rank holds a whole tensor of its own (g0..g3).\nAfterwards rank r holds chunk r of their sum\n"
-        "(Σ; or their mean). FSDP: each rank's whole gradients\nbecome its shard of the summed gradients.",
+        "Each rank holds a whole tensor of its own (g0..g3).\nAfterwards rank r holds chunk r of their sum (Σ),\n"
+        "or of their mean with ReduceOp.AVG.\nFSDP: each rank's whole gradients become\n"
+        "its shard of the averaged gradients (AVG).",
         ha="center",
         va="top",
         fontsize=9,
@@ -247,8 +248,10 @@ def fsdp_step(path: Path) -> None:
     world_size = 2
     mb = 4 / 1e6  # fp32 bytes per parameter, in MB
     shards = sizes["whole"] * mb / world_size
-    root_extra = sizes["root"] * mb * (1 - 1 / world_size)  # gathering a unit adds the other ranks' chunks
-    block_extra = sizes["block"] * mb * (1 - 1 / world_size)
+    # Gathering a unit allocates it whole, and FSDP2 keeps this rank's shard meanwhile (FSDPParam keeps
+    # _sharded_param_data; free_unsharded_param frees only the gathered copy): each gathered unit adds its whole size.
+    root_extra = sizes["root"] * mb
+    block_extra = sizes["block"] * mb
     fig, (timeline, memory) = plt.subplots(
         2, 1, figsize=(10, 6.6), sharex=True, gridspec_kw={"height_ratios": [1.25, 1]}
     )
@@ -319,18 +322,23 @@ def fsdp_step(path: Path) -> None:
         label="blocks: False (ZeRO-2-like), no all-gathers in backward. The root keeps its default in both.",
     )
     after_true, after_false = level(backward - 0.01, False), level(backward - 0.01, True)
+    peak_true = max(level(t, False) for t in times)
     for value, text in (
         (shards, "shards only"),
         (after_true, "after forward, True"),
+        (peak_true, "peak, True (root + 2 blocks)"),
         (after_false, "after forward, False"),
     ):
         memory.axhline(value, color="grey", lw=0.6, linestyle=":")
         memory.text(end + 1.05, value, f"{text}: {value:.2f} MB", va="center", fontsize=8)
     memory.axvline(backward, color="black", lw=1, linestyle=":")
     memory.set_yticks([])
-    memory.set_ylim(shards - 0.4, after_false + 0.6)
-    memory.set_ylabel("parameter MB held\nby one rank (N = 2)")
-    memory.set_xlabel("time (schematic). The levels are computed from DeepMLP's sizes.")
+    memory.set_ylim(shards - 0.6, after_false + 0.6)
+    memory.set_ylabel("parameter memory, MB,\none rank (N = 2)")
+    memory.set_xlabel(
+        "time (schematic). Levels from DeepMLP's sizes: all shards, plus each gathered unit whole. "
+        "All-gather buffers left out."
+    )
     memory.set_xticks([])
     memory.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     memory.spines[["top", "right"]].set_visible(False)
