@@ -83,8 +83,9 @@ for name, psi, n, precision, unit in [
 #
 # `common.fsdp.measure_model_state` builds the default `DeepMLP` and applies a strategy. It takes one Adam step
 # and counts the bytes of this rank's parameters, gradients and optimizer states. For a DTensor it counts the
-# local shard only. It also counts the parameter bytes held between forward and backward. It wraps the model with
-# `shard_model` of `solutions/03_fsdp.py`, the script's own code. The "predicted" column is the arithmetic: stage 0
+# local shard only. It also counts the parameter bytes that the modules point to between forward and backward: a
+# gathered unit whole, a resharded one as its shard. It wraps the model with `shard_model` of
+# `solutions/03_fsdp.py`, the script's own code. The "predicted" column is the arithmetic: stage 0
 # for DDP, 1 for ZeRO-1, and 3 for both FSDP2 modes, which shard alike at rest.
 
 # %%
@@ -120,7 +121,10 @@ for world_size, ranks in measured.items():
 #
 # `fsdp-grad-op` shards like `fsdp-full` between steps. Its "after forward" column shows the price: every block
 # stays gathered from its forward to its backward. Under `fsdp-full`, "after forward" is more than 1/N. The root's
-# own parameters, the 784 x 512 stem and the head, stay gathered, and the next section says why.
+# own parameters, the 512 x 784 stem weight and the head, stay gathered, and the next section says why.
+#
+# "after forward" is not all the memory. FSDP2 keeps each shard while its unit is gathered, and the gathered copy
+# comes on top. So a rank's parameter memory is its shards plus every gathered unit whole.
 #
 # Activations and temporary buffers are not counted here. On a GPU, `torch.cuda.max_memory_allocated` would add
 # them, and `measure_model_state` reports it there. No GPU figures have been measured for this notebook.
@@ -135,7 +139,7 @@ for world_size, ranks in measured.items():
 #
 # `fsdp-full-root-resharded` forces `True` on the root too, with `set_reshard_after_forward(True, recurse=False)`
 # or `fully_shard(model, reshard_after_forward=True)`. `CommDebugMode` counts the all-gathers of one training
-# step. "backward start" is the parameter bytes held once the head's backward has run.
+# step. "backward start" is the parameter bytes that the modules point to once the head's backward has run.
 
 # %%
 mlp = DeepMLP()
@@ -159,7 +163,8 @@ for world_size, ranks in measured.items():
 # Forcing the root to reshard saves its bytes only between the forward and the backward, when nothing computes.
 # The moment backward begins they are back: the "backward start" columns agree. And the step pays one all-gather
 # more, of the root's parameters. They are 28% of this model, since its stem is the largest layer. With one
-# process there is nothing to gather.
+# process FSDP2 issues no all-gather. It still copies each unit into a whole buffer before the unit computes, and
+# the table does not count that copy.
 #
 # To shard the stem between its forward and its backward, give it a unit of its own, with
 # `fully_shard(model.stem)` before the root. That costs one all-gather more in forward and one in backward.
