@@ -222,7 +222,9 @@ def report_model_state(env, num_parameters: int, sharding: str, state_bytes: dic
     """Gather every rank's model-state bytes and peak memory, and have rank 0 print them beside ZeRO's prediction.
 
     ``state_bytes``: this rank's ``training_state_bytes`` after its last step, plus ``parameters_after_forward``
-    (the parameter bytes it held between a forward and its backward); ``None`` when the run trained nothing.
+    (the parameter bytes the modules pointed to between a forward and its backward: a gathered unit whole, a
+    resharded one as its shard; FSDP2 keeps a gathered unit's shard as well, which this leaves out); ``None`` when
+    the run trained nothing.
     ``sharding`` is the solution's ``--sharding``: ``none`` (DDP) is ZeRO stage 0, ``full`` and ``grad-op`` stage
     3, since between steps both hold shards only. Call on every rank (it gathers). Returns what the metrics file
     keeps: ``{"predicted_bytes_per_rank", "memory_per_rank"}``.
@@ -269,10 +271,14 @@ def measure_model_state(
     ``fsdp-full-root-resharded`` (``fsdp-full``, the root set to reshard after forward as well). The model is
     wrapped by ``shard_model`` of ``script``: lesson 06's solution, or your ``labs/03_fsdp.py``. The result has
     ``training_state_bytes``'s keys (bytes after the step), plus ``after_forward`` and ``backward_start`` (the
-    parameter bytes held between the forward and the backward, and once backward has begun: the root's
-    pre-backward has run), ``all_gathers`` (all-gather calls in the step, counted by ``CommDebugMode``) and,
-    on a GPU, ``cuda_peak_mib`` (``torch.cuda.max_memory_allocated`` over the step, activations included). Call
-    on every rank of a process group, for example through ``common.launch.run_on_ranks``.
+    parameter bytes the modules point to between the forward and the backward, and once backward has begun: the
+    root's pre-backward has run; a gathered unit counts whole, a resharded one as its shard, and the shard FSDP2
+    keeps beside a gathered unit is not counted), ``all_gathers`` (all-gather calls in the step, counted by
+    ``CommDebugMode``) and, on a GPU, ``cuda_peak_mib`` (``torch.cuda.max_memory_allocated`` over the step,
+    activations included). The FSDP2 model measured here outlives this call (seen on CPU under ``CommDebugMode``,
+    even after ``gc.collect()``), so a later call's ``cuda_peak_mib`` in the same process includes it: measure one
+    strategy per process to compare peaks. Call on every rank of a process group, for example through
+    ``common.launch.run_on_ranks``.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")

@@ -16,11 +16,12 @@
 # %% [markdown]
 # # Lesson 06: FSDP2 and ZeRO
 #
-# The companion notebook of `lessons/06_fsdp_and_zero.md`: the memory arithmetic first, then what each rank
-# really holds under DDP, ZeRO-1 and FSDP2 at world sizes 1, 2 and 4, then FSDP2 training against DDP, and a
-# sharded checkpoint saved by 2 processes and resumed by another number of them. The multi-process work runs
-# through `common.launch.run_on_ranks` and `torchrun` subprocesses: nothing here is defined in the notebook and
-# run by a spawned process.
+# The companion notebook of `lessons/06_fsdp_and_zero.md`. It starts with the memory arithmetic. Then it
+# measures what each rank really holds under DDP, ZeRO-1 and FSDP2, at world sizes 1, 2 and 4. Then it trains
+# FSDP2 against DDP. Last, it resumes a sharded checkpoint saved by 2 processes with another number of them.
+#
+# The multi-process work runs through `common.launch.run_on_ranks` and `torchrun` subprocesses. Nothing here is
+# defined in the notebook and run by a spawned process.
 
 # %%
 import datetime
@@ -56,9 +57,12 @@ from common.models import DeepMLP
 # %% [markdown]
 # ## The arithmetic: 16 bytes per parameter
 #
-# Adam keeps, per parameter, its value, its gradient and two running moments. In fp32: 4 + 4 + 8. In the ZeRO
-# paper's mixed precision: 2 + 2 for the fp16 value and gradient, and 12 in the optimizer (an fp32 master copy and
-# the two fp32 moments). DDP replicates all of it on every rank; each ZeRO stage divides one more part by N.
+# Adam keeps four things per parameter: its value, its gradient and two running moments. In fp32 that is
+# 4 + 4 + 8 bytes. In the ZeRO paper's mixed precision it is 2 + 2 for the fp16 value and gradient, and 12 in the
+# optimizer: an fp32 master copy and the two fp32 moments. DDP replicates all of it on every rank. Each ZeRO stage
+# divides one more part by N, the number of ranks.
+#
+# ![What each of 4 ranks holds under DDP and ZeRO stages 1-3](../lessons/figures/06_who_holds_what.png)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -77,11 +81,12 @@ for name, psi, n, precision, unit in [
 # %% [markdown]
 # ## What each rank really holds
 #
-# `common.fsdp.measure_model_state` builds the default `DeepMLP`, applies a strategy, takes one Adam step and
-# counts the bytes of this rank's parameters, gradients and optimizer states (for a DTensor: its local shard
-# only), plus the parameter bytes held between forward and backward. It wraps the model with `shard_model` of
-# `solutions/03_fsdp.py`, the script's own code. The "predicted" column is the arithmetic: stage 0 for DDP, 1 for
-# ZeRO-1, 3 for both FSDP2 modes (at rest they shard alike).
+# `common.fsdp.measure_model_state` builds the default `DeepMLP` and applies a strategy. It takes one Adam step
+# and counts the bytes of this rank's parameters, gradients and optimizer states. For a DTensor it counts the
+# local shard only. It also counts the parameter bytes that the modules point to between forward and backward: a
+# gathered unit whole, a resharded one as its shard. It wraps the model with `shard_model` of
+# `solutions/03_fsdp.py`, the script's own code. The "predicted" column is the arithmetic: stage 0
+# for DDP, 1 for ZeRO-1, and 3 for both FSDP2 modes, which shard alike at rest.
 
 # %%
 PREDICTED_STAGE = {"ddp": 0, "zero1": 1, "fsdp-grad-op": 3, "fsdp-full": 3}
@@ -105,24 +110,36 @@ for world_size, ranks in measured.items():
     print(f"zero1 with N = {world_size}: optimizer MB on ranks 0..{world_size - 1}: {shares}")
 
 # %% [markdown]
-# FSDP2 holds 1/N of everything, as stage 3 predicts, to within the rows that do not divide evenly. ZeRO-1 keeps
-# whole parameters and gradients and splits only the optimizer states, and it splits them by *whole tensors*
-# (each parameter's states live on one rank): the ranks' totals straddle the prediction, and a rank's share
-# depends on which tensors it drew (with 4 ranks, one of them holds two 512 x 512 block weights' states).
-# `fsdp-grad-op` shards like `fsdp-full` between steps, but its "after forward" column shows the price: every
-# block stays gathered from its forward to its backward. Under `fsdp-full` "after forward" is more than 1/N: the
-# root's own parameters (the stem, 784 x 512, and the head) stay gathered, the next section says why.
-# Activations and temporary buffers are not counted here; on a GPU `torch.cuda.max_memory_allocated` would add
-# them (`measure_model_state` reports it there). No GPU figures have been measured for this notebook.
+# FSDP2 holds 1/N of everything, as stage 3 predicts, up to the rows that do not divide evenly.
+#
+# ZeRO-1 keeps whole parameters and gradients and splits only the optimizer states. It splits them by *whole
+# tensors*: each parameter's states live on one rank. So the ranks' totals straddle the prediction, and a rank's
+# share depends on which tensors it drew. With 4 ranks, one of them holds the states of two 512 x 512 block
+# weights.
+#
+# ![ZeRO-1's partition of DeepMLP's tensors over 4 ranks, largest first](../lessons/figures/06_zero1_bins.png)
+#
+# `fsdp-grad-op` shards like `fsdp-full` between steps. Its "after forward" column shows the price: every block
+# stays gathered from its forward to its backward. Under `fsdp-full`, "after forward" is more than 1/N. The root's
+# own parameters, the 512 x 784 stem weight and the head, stay gathered, and the next section says why.
+#
+# "after forward" is not all the memory. FSDP2 keeps each shard while its unit is gathered, and the gathered copy
+# comes on top. So a rank's parameter memory is its shards plus every gathered unit whole.
+#
+# Activations and temporary buffers are not counted here. On a GPU, `torch.cuda.max_memory_allocated` would add
+# them, and `measure_model_state` reports it there. No GPU figures have been measured for this notebook.
 #
 # ## The root: gathered once per step
 #
-# `fully_shard`'s `reshard_after_forward` defaults to `None`: `True` for every unit but the root, `False` for the
-# root. Backward starts with the root's own parameters (the head), so resharding them after forward would only
-# gather them again at once. `fsdp-full-root-resharded` forces `True` on the root too
-# (`set_reshard_after_forward(True, recurse=False)`, or `fully_shard(model, reshard_after_forward=True)`).
-# `CommDebugMode` counts the all-gathers of one training step; "backward start" is the parameter bytes held once
-# the head's backward has run.
+# `fully_shard`'s `reshard_after_forward` defaults to `None`. FSDP2 turns it into `True` for every unit but the
+# root, and into `False` for the root. Backward starts with the root's own parameters, the head. So resharding
+# them after forward would only gather them again at once.
+#
+# ![One FSDP2 step unit by unit, with the parameter bytes one rank holds](../lessons/figures/06_fsdp_step.png)
+#
+# `fsdp-full-root-resharded` forces `True` on the root too, with `set_reshard_after_forward(True, recurse=False)`
+# or `fully_shard(model, reshard_after_forward=True)`. `CommDebugMode` counts the all-gathers of one training
+# step. "backward start" is the parameter bytes that the modules point to once the head's backward has run.
 
 # %%
 mlp = DeepMLP()
@@ -143,17 +160,20 @@ for world_size, ranks in measured.items():
         )
 
 # %% [markdown]
-# Forcing the root to reshard saves its bytes only between the forward and the backward, when nothing computes;
-# the moment backward begins they are back (the "backward start" columns agree), and the step pays one
-# all-gather more, of the root's parameters: 28% of this model, since its stem is the largest layer. With one
-# process there is nothing to gather. To shard the stem between its forward and its backward, give it a unit of
-# its own (`fully_shard(model.stem)` before the root): one all-gather more in forward and one in backward.
+# Forcing the root to reshard saves its bytes only between the forward and the backward, when nothing computes.
+# The moment backward begins they are back: the "backward start" columns agree. And the step pays one all-gather
+# more, of the root's parameters. They are 28% of this model, since its stem is the largest layer. With one
+# process FSDP2 issues no all-gather. It still copies each unit into a whole buffer before the unit computes, and
+# the table does not count that copy.
+#
+# To shard the stem between its forward and its backward, give it a unit of its own, with
+# `fully_shard(model.stem)` before the root. That costs one all-gather more in forward and one in backward.
 #
 # ## FSDP2 trains like DDP
 #
-# The same script, the same seed and data: `--sharding none` is DDP, `--sharding full` is FSDP2. The losses agree
-# to the printed digits (`tests/test_fsdp.py` checks the parameters after several Adam steps, and the gradients).
-# The full run also saves a sharded checkpoint after its epoch.
+# The same script runs with the same seed and data. `--sharding none` is DDP, and `--sharding full` is FSDP2. The
+# losses agree to the printed digits. The lesson's tests also check the gradients, and the parameters after
+# several Adam steps. The full run saves a sharded checkpoint after its epoch.
 
 # %%
 checkpoints = Path("runs/06_checkpoints")  # relative to the repository, where the scripts run
@@ -171,11 +191,14 @@ for sharding in ("none", "full"):
 # %% [markdown]
 # ## A checkpoint from 2 processes, resumed by another number of them
 #
-# Each of the 2 ranks wrote its own shard file; `.metadata` records which slice of which tensor each holds.
-# A run at another world size asks DCP for the slices its own shards cover. It loads exactly the saved state,
-# but what follows is another run: `--batch-size` is per process, so the steps and their batches differ from
-# the 2-process run's. At the same world size, DeepMLP would go on bit-identically (lesson 06 says what holds for
-# a model with dropout or BatchNorm).
+# Each of the 2 ranks wrote its own shard file. `.metadata` records which slice of which tensor each file holds.
+# A run at another world size asks DCP for the slices its own shards cover.
+#
+# ![A checkpoint written by 2 ranks, one file each, read by 4 ranks](../lessons/figures/06_dcp_reshard.png)
+#
+# The run loads exactly the saved state, but what follows is another run. `--batch-size` is per process, so the
+# steps and their batches differ from the 2-process run's. At the same world size, DeepMLP would go on
+# bit-identically. Lesson 06 says what holds for a model with dropout or BatchNorm.
 
 # %%
 print(sorted(path.name for path in (REPO / checkpoints / "epoch-0001").iterdir()))
@@ -198,9 +221,9 @@ print(
 # %% [markdown]
 # ## Export: one plain state dict
 #
-# At the end the script gathered the whole model into `model_full.pt` (`get_model_state_dict` with
-# `full_state_dict=True, cpu_offload=True`, called on every rank, written by rank 0). It loads into the bare
-# model class, with no process group at all:
+# At the end the script gathered the whole model into `model_full.pt`. Every rank called `get_model_state_dict`
+# with `full_state_dict=True, cpu_offload=True`, and rank 0 wrote the file. It loads into the bare model class,
+# with no process group at all:
 
 # %%
 model = DeepMLP()

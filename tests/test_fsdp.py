@@ -125,6 +125,7 @@ def side_by_side(env, checkpoint_dir):
 
     big, zero = zero1_step_on_the_big_model(env)
     results["zero1_bytes"] = training_state_bytes(big, zero)
+    results["zero1_owned"] = owned_adam_states(big, zero)
     results["fsdp_bytes"] = model_state_of_the_big_model(env)
     # what the root's reshard_after_forward changes: all-gathers per step, parameter bytes held
     results["root"] = {
@@ -143,6 +144,13 @@ def zero1_step_on_the_big_model(env):
     F.cross_entropy(big(X), y).backward()
     zero.step()
     return big, zero
+
+
+def owned_adam_states(big, zero):
+    """{parameter name: (numel of its exp_avg on this rank, numel of the parameter)} for the parameters whose Adam
+    state this rank keeps under ZeRO-1 (its local optimizer steps only those)."""
+    names = {p: name for name, p in big.module.named_parameters()}
+    return {names[p]: (state["exp_avg"].numel(), p.numel()) for p, state in zero.optim.state.items()}
 
 
 def reload_and_measure(env, checkpoint_dir):
@@ -192,7 +200,8 @@ def test_gloo_reduce_scatter_with_avg_averages(two_ranks):
 
 def test_fsdp2_gradients_are_averaged_over_ranks_like_ddp(two_ranks):
     # A backend that summed instead of averaging would give twice DDP's gradient here. With 2 ranks the sum of
-    # two partial gradients does not depend on the order of addition, so FSDP2 and DDP agree bit for bit.
+    # two partial gradients does not depend on the order of addition, and dividing by 2 is exact, so dividing
+    # before the sum (DDP) or after it (FSDP2) gives the same bits: FSDP2 and DDP agree bit for bit.
     for rank in two_ranks:
         for name in ("full", "grad_op", "force_sum", "offload"):
             torch.testing.assert_close(rank[f"{name}_gradients"], rank["ddp_gradients"], rtol=0, atol=0)
@@ -282,6 +291,13 @@ def test_zero1_splits_the_optimizer_state_by_whole_tensors(two_ranks, reloaded):
     # each tensor's state lives on one rank: a rank can exceed the even share by up to the largest tensor's state
     largest = max(p.numel() for p in DeepMLP().parameters()) * 8
     assert max(rank["optimizer"] for rank in state) <= whole["optimizer"] / 2 + largest
+    # whole tensors: every parameter's Adam state on exactly one rank, as large as the parameter itself
+    owned = [rank["zero1_owned"] for rank in two_ranks]
+    names = [name for name, _ in DeepMLP().named_parameters()]
+    assert sorted(name for rank in owned for name in rank) == sorted(names)
+    assert all(state == numel for rank in owned for state, numel in rank.values())
+    # so the shares are unequal here (5.37 against 6.29 MB): an even split of the elements would make them equal
+    assert state[0]["optimizer"] != state[1]["optimizer"]
 
 
 def test_zero1_on_4_ranks_gives_each_tensor_to_the_least_loaded_rank_largest_first(reloaded):
@@ -296,5 +312,5 @@ def test_zero1_on_4_ranks_gives_each_tensor_to_the_least_loaded_rank_largest_fir
     predicted = [8 * load + 4 * count for load, count in zip(loads, owned)]
     measured = [rank["zero1_bytes"]["optimizer"] for rank in reloaded[4]]
     assert measured == predicted
-    # lesson 06's figures: rank 0 the 784 x 512 stem alone, rank 1 two 512 x 512 block weights
+    # lesson 06's figures: rank 0 the 512 x 784 stem weight alone, rank 1 two 512 x 512 block weights
     assert [round(nbytes / 1e6, 2) for nbytes in measured] == [3.21, 4.19, 2.14, 2.12]
