@@ -20,7 +20,7 @@
 # the way Megatron-LM does. The attention is cut by heads and the MLP by hidden features, with Megatron's `f` and
 # `g` around them (`common/tensor_parallel.py`).
 #
-# ![The MLP on two ranks: A cut by columns, B by rows, each rank computing one partial product that g sums](../lessons/figures/12_mlp_columns_then_rows.png)
+# ![The MLP on two ranks: A cut by columns, B by rows, g sums](../lessons/figures/12_mlp_columns_then_rows.png)
 #
 # Then it measures what the split costs and saves:
 #
@@ -203,7 +203,7 @@ print(f"the two meet at {crossover:,.0f} tokens per step: the layer's parameter 
 # For tensor parallelism it notes when each all-reduce was called and when it returned. Here is one layer's step
 # as a schematic first, then the measured step with the median time:
 #
-# ![One layer's step on two ranks: two all-reduces in forward, two in backward, each between computations that need it](../lessons/figures/12_layer_step_timeline.png)
+# ![One layer's step on two ranks: two all-reduces forward, two backward](../lessons/figures/12_layer_step_timeline.png)
 
 
 # %%
@@ -284,7 +284,7 @@ for name in ("one process", "tensor parallel", "data parallel"):
 # data-parallel replicas x 2 tensor-parallel ranks (`--data-parallel 2`), with 32 samples per replica. Ranks 0 and
 # 1 hold one copy of the model, split. Ranks 2 and 3 hold the other copy, split the same way.
 #
-# ![A 2 x 2 mesh: replicas as rows on one node each, tensor-parallel groups inside a node, data-parallel groups across](../lessons/figures/12_mesh_2d.png)
+# ![A 2 x 2 mesh: tp groups inside a node, dp groups across nodes](../lessons/figures/12_mesh_2d.png)
 #
 # The `DistributedSampler` of 2 replicas deals each one the alternate samples of the same shuffled order. So the
 # two replicas' batches of 32 are, together, the one run's batch of 64. DDP over each pair {0, 2} and {1, 3}
