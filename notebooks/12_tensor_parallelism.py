@@ -105,8 +105,8 @@ checked, communication, timed = zip(*run_on_ranks(in_turn, WORLD_SIZE, calls, ti
 # - torch's `parallelize_block`, split by DTensor with `ColwiseParallel` and `RowwiseParallel`.
 #
 # Each difference is the largest over every element. The cell compares the output and the gradient of the layer's
-# input, which `f`'s backward all-reduce makes whole. It also compares every parameter gradient with this rank's
-# slice of the whole layer's.
+# input, which `f`'s backward all-reduce makes whole. For the by-hand split it also compares every parameter
+# gradient with this rank's slice of the whole layer's.
 
 # %%
 for rank, result in enumerate(checked):
@@ -125,7 +125,7 @@ for rank, result in enumerate(checked):
 # row-parallel linear's bias, which is added once, after the all-reduce.
 #
 # **Activations saved for backward**, counted by `saved_activation_bytes` as in lesson 11. Those inside the blocks
-# are cut in N: the heads' scores, the MLP's hidden features. The layer's input, the norms' outputs and the
+# are cut in N: the attention probabilities, the MLP's hidden features. The layer's input, the norms' outputs and the
 # residual sum between the blocks stay whole on every rank.
 
 # %%
@@ -188,9 +188,9 @@ print(f"the two meet at {crossover:,.0f} tokens per step: the layer's parameter 
 # Tensor parallelism all-reduces activations. Its bytes grow with the tokens: four tensors of
 # `batch x seq x d_model` per layer and step, however many ranks there are. Data parallelism all-reduces
 # gradients: the parameters' bytes, whatever the batch. For a layer of about `12 d_model^2` parameters, the two
-# meet near `3 d_model` tokens per step. Real trainings run far more tokens than that per device. So tensor
-# parallelism sends more bytes than data parallelism, and it sends them in the middle of the computation (next
-# section). It is worth it only where the model does not fit otherwise, and over fast links.
+# meet near `3 d_model` tokens per step. Past that, tensor parallelism sends more bytes than data parallelism, and
+# it sends them in the middle of the computation (next section). It is worth it where a layer's weights or
+# activations do not fit otherwise, or where there are more devices than the batch can use, and over fast links.
 #
 # ## 4. One step's timeline
 #
@@ -268,6 +268,10 @@ for name in ("one process", "tensor parallel", "data parallel"):
     )
 
 # %% [markdown]
+# The three versions ran interleaved, step by step, each process with one thread. So a background load hit them
+# alike, and tensor against data parallelism is a fair comparison. Both also ran more than twice as fast as one
+# process. Halving each process's work does not explain that, and this run does not measure the cause.
+#
 # Both halve the matrix products per process, in different ways:
 #
 # - Data parallelism computes whole-width products on half the batch. It all-reduces the gradients in two buckets.
