@@ -97,7 +97,7 @@ def attention_by_heads(path: Path) -> None:
             y + 0.3,
             3.2,
             1.8,
-            f"q, k, v of heads\n{heads[0]} and {heads[1]}: rows of\nW_q, W_k, W_v",
+            f"q, k, v of heads\n{heads[0]} and {heads[1]}: rows of\nPyTorch's W_q,\nW_k, W_v",
             colour,
             8,
         )
@@ -106,7 +106,7 @@ def attention_by_heads(path: Path) -> None:
             arrow(axes, (8.1, y + 1.2), (8.7, hy + 0.5))
             box(axes, 8.7, hy, 3.0, 1.0, f"head {head}:\nsoftmax(q k^T) v", colour, 8)
             arrow(axes, (11.7, hy + 0.5), (12.2, y + 1.2))
-        box(axes, 12.2, y + 0.6, 2.7, 1.2, f"out_{rank}: its\ncolumns of W_out", colour, 8)
+        box(axes, 12.2, y + 0.6, 2.7, 1.2, f"out_{rank}: its\ncolumns of\nPyTorch's W_out", colour, 8)
         arrow(axes, (14.9, y + 1.2), (15.3, y + 1.2))
         arrow(axes, (16.8, y + 1.2), (17.3, y + 1.2))
         box(axes, 17.3, y + 0.6, 2.6, 1.2, "sum + b_out,\nwhole on both", "#ffffff", 8)
@@ -114,7 +114,8 @@ def attention_by_heads(path: Path) -> None:
     axes.text(
         10,
         0.9,
-        "Heads never mix: a rank's scores, softmax and weighted sum need only its own heads' q, k and v.",
+        "Heads never mix: a rank's scores, softmax and weighted sum need only its own heads' q, k and v.\n"
+        "Rows and columns named as PyTorch stores a weight, (out, in): its rows are the math's columns (section 2).",
         ha="center",
         fontsize=9,
     )
@@ -149,8 +150,11 @@ def layer_step_timeline(path: Path) -> None:
             label, *times = step
             for rank in range(2):
                 axes.broken_barh([(now[rank], times[rank])], (rank - 0.35, 0.7), facecolors=COMPUTE, edgecolor="grey")
+                middle = now[rank] + times[rank] / 2
                 if times[rank] >= 2.5:
-                    axes.text(now[rank] + times[rank] / 2, rank, label, ha="center", va="center", fontsize=8)
+                    axes.text(middle, rank, label, ha="center", va="center", fontsize=8)
+                else:  # a short bar (a norm, SGD): its label turned on its side, to fit
+                    axes.text(middle, rank, label, ha="center", va="center", fontsize=8, rotation=90)
                 now[rank] += times[rank]
         else:
             name, transfer = step
@@ -175,7 +179,7 @@ def layer_step_timeline(path: Path) -> None:
     axes.set_ylim(1.95, -1.0)
     axes.set_xlim(0, max(now) + 0.5)
     axes.set_xticks([])
-    axes.set_xlabel("time (schematic: made-up durations in the layer's order; the short bars are the norms and SGD)")
+    axes.set_xlabel("time (schematic: made-up durations, in the layer's order)")
     handles = [
         plt.Rectangle((0, 0), 1, 1, fc=COMPUTE, ec="grey", label="computation"),
         plt.Rectangle((0, 0), 1, 1, fc=IDLE, ec="grey", hatch="///", label="inside the all-reduce, waiting"),
@@ -224,7 +228,7 @@ def mesh_2d(path: Path) -> None:
     axes.text(
         14.3,
         2.9,
-        "Across nodes, over dp:\n DDP: the gradients, one\n all-reduce per step, in buckets.\n"
+        "Across nodes, over dp:\n DDP: the gradients once per step,\n one all-reduce per bucket.\n"
         " FSDP2: each unit's all-gathers\n and its reduce-scatter.",
         fontsize=9,
         va="center",
@@ -268,7 +272,10 @@ def time_in_all_reduces(path: Path) -> None:
     left.set_yticks(range(len(steps)), [f"rank {rank}" for rank, *_ in steps])
     left.set_ylim(len(steps) - 0.4, -0.6)
     left.set_xlim(0, 520)
-    left.set_xlabel("ms in one step, summed")
+    left.set_xlabel(
+        "ms in one step: the time inside the all-reduces is summed\n"
+        "and drawn last; in time they are spread over the step"
+    )
     left.set_title("tensor parallel: 16 all-reduces per step\n(orange: inside them, waiting included)", fontsize=9)
     right.barh(0, backward, color=COMPUTE, edgecolor="grey")
     for number, (mib, start) in enumerate(buckets):
