@@ -361,10 +361,13 @@ def data_and_tensor_parallel_mesh(device_type: str, tensor_parallel_size: int):
     data-parallel replicas, each of ``tensor_parallel_size`` tensor-parallel ranks.
 
     Rank r is shard ``r % T`` of replica ``r // T`` (T the tensor-parallel size): a replica is T consecutive ranks,
-    on one node when T divides the GPUs per node, where tensor parallelism's two all-reduces per block and pass go
-    over the fast links (Megatron-LM keeps it within a node); the data-parallel all-reduce, once per step, crosses
-    nodes. ``mesh["tp"].get_group()`` and ``mesh["dp"].get_group()`` are this rank's two process groups,
-    ``mesh["tp"].get_local_rank()`` its shard. Every rank calls it (it creates process groups).
+    on one node when T divides the GPUs per node, where tensor parallelism's all-reduces (two per layer in each
+    pass) go over the fast links (Megatron-LM keeps it within a node). The data-parallel traffic crosses nodes:
+    with DDP over ``dp``, the gradients' all-reduce once per step, one call per bucket; with FSDP2 over ``dp``,
+    each unit's all-gather of its parameters before it computes (again in backward if it was resharded after
+    forward) and, after backward, a reduce-scatter of its gradients. ``mesh["tp"].get_group()`` and
+    ``mesh["dp"].get_group()`` are this rank's two process groups, ``mesh["tp"].get_local_rank()`` its shard.
+    Every rank calls it (it creates process groups).
     """
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -16,14 +16,24 @@
 # %% [markdown]
 # # Lesson 12: tensor parallelism
 #
-# The companion notebook of `lessons/12_tensor_parallelism.md`. It splits a transformer layer Megatron-style over
-# two processes (`common/tensor_parallel.py`: the attention by heads, the MLP by hidden features, Megatron's `f`
-# and `g` around them) and measures what that costs and saves: the split checked against the whole layer and
-# against torch's DTensor version, the bytes each rank holds, the all-reduces of a step against the formula and
-# against data parallelism's, one step's timeline, the throughput of one process, tensor and data parallelism on
-# the same processes, and solution 13 on a 2-D mesh. Every figure is measured on the machine that ran the notebook
-# (the committed outputs: 2 CPU cores, one process per core, gloo); `common.launch.run_on_ranks` starts the
-# processes, and the functions it runs are in `common/experiments/tensor_parallel.py`.
+# The companion notebook of `lessons/12_tensor_parallelism.md`. It splits a transformer layer over two processes,
+# the way Megatron-LM does. The attention is cut by heads and the MLP by hidden features, with Megatron's `f` and
+# `g` around them (`common/tensor_parallel.py`).
+#
+# ![The MLP on two ranks: A cut by columns, B by rows, g sums](../lessons/figures/12_mlp_columns_then_rows.png)
+#
+# Then it measures what the split costs and saves:
+#
+# 1. The split, checked against the whole layer and against torch's DTensor version.
+# 2. The bytes each rank holds.
+# 3. The all-reduces of a step, against the formula and against data parallelism's.
+# 4. One step's timeline.
+# 5. The throughput of one process, of tensor parallelism and of data parallelism, on the same processes.
+# 6. Solution 13 on one replica and on a 2-D mesh.
+#
+# Every figure is measured on the machine that ran the notebook. The committed outputs come from 2 CPU cores, one
+# process per core, with gloo. `common.launch.run_on_ranks` starts the processes. The functions it runs are in
+# `common/experiments/tensor_parallel.py`.
 
 # %%
 import datetime
@@ -73,7 +83,7 @@ print(f"split over {WORLD_SIZE} processes (gloo, one thread each) on {machine_su
 
 # %% [markdown]
 # Sections 1 to 5 show what three functions of `common/experiments/tensor_parallel.py` measure on every rank. They
-# run here, one after the other, in one group of processes (`in_turn`): starting a group costs seconds on this
+# run here one after the other, in one group of processes (`in_turn`). Starting a group costs seconds on this
 # machine.
 
 # %%
@@ -88,10 +98,15 @@ checked, communication, timed = zip(*run_on_ranks(in_turn, WORLD_SIZE, calls, ti
 # %% [markdown]
 # ## 1. The split, checked
 #
-# The whole layer, this rank's `shard_block` of it (by hand) and torch's `parallelize_block` (DTensor,
-# `ColwiseParallel` / `RowwiseParallel`) run one forward and backward on the same batch, in float32. The
-# differences are the largest over every element: the output, the gradient of the layer's input (which `f`'s
-# backward all-reduce makes whole), and every parameter gradient against this rank's slice of the whole layer's.
+# Three versions run one forward and backward on the same batch, in float32:
+#
+# - The whole layer.
+# - This rank's `shard_block` of it, split by hand.
+# - torch's `parallelize_block`, split by DTensor with `ColwiseParallel` and `RowwiseParallel`.
+#
+# Each difference is the largest over every element. The cell compares the output and the gradient of the layer's
+# input, which `f`'s backward all-reduce makes whole. For the by-hand split it also compares every parameter
+# gradient with this rank's slice of the whole layer's.
 
 # %%
 for rank, result in enumerate(checked):
@@ -100,16 +115,18 @@ for rank, result in enumerate(checked):
         print(f"rank {rank}, {version:<7}: largest difference from the whole layer: {cells}")
 
 # %% [markdown]
-# Float32 rounding only: the sums run in another order (each rank adds its heads' and its hidden features'
-# share, then the all-reduce adds the shares). The tests check the same in float64 to `assert_close`'s default
-# tolerance, and after three SGD steps (`tests/test_tensor_parallel.py`).
+# That is float32 rounding only, because the sums run in another order. Each rank adds its own heads' and hidden
+# features' share, then the all-reduce adds the shares. The tests check the same in float64, to `assert_close`'s
+# default tolerance, and after three SGD steps (`tests/test_tensor_parallel.py`).
 #
 # ## 2. What each rank holds
 #
-# Parameters: the attention's and the MLP's weights are cut in N; the norms, and each row-parallel linear's bias
-# (added once, after the all-reduce), stay whole. Activations saved for backward (`saved_activation_bytes`, as
-# lesson 11 counts them): those inside the blocks (the heads' scores, the MLP's hidden features) are cut in N;
-# the layer's input, the norms' outputs and the residual sum between the blocks stay whole on every rank.
+# **Parameters.** The attention's and the MLP's weights are cut in N. The norms stay whole. So does each
+# row-parallel linear's bias, which is added once, after the all-reduce.
+#
+# **Activations saved for backward**, counted by `saved_activation_bytes` as in lesson 11. Those inside the blocks
+# are cut in N: the attention probabilities, the MLP's hidden features. The layer's input, the norms' outputs and the
+# residual sum between the blocks stay whole on every rank.
 
 # %%
 rank0 = checked[0]
@@ -122,15 +139,18 @@ for what in ("parameter_bytes", "saved_bytes"):
 print(f"torch's version holds {rank0['parameter_bytes']['torch'] / 2**10:.1f} KiB of parameters on rank 0")
 
 # %% [markdown]
-# Neither is exactly halved: the parameters almost (the whole pieces are small vectors), the activations far
-# less, because every rank keeps its own copy of each full-width activation. Megatron-LM's sequence parallelism
-# (Korthikanti et al. 2022) splits those along the sequence, outside the blocks; this lesson does not build it.
+# Neither is exactly halved. The parameters almost are, since the whole pieces are small vectors. The activations
+# are cut far less, because every rank keeps its own copy of each full-width activation. Megatron-LM's sequence
+# parallelism (Korthikanti et al. 2022) cuts those along the sequence, outside the blocks. This lesson does not
+# build it.
 #
 # ## 3. The all-reduces of a step, against the formula and against data parallelism
 #
-# For each batch shape: the all-reduces the tensor-parallel layer makes in forward and in backward
-# (`count_collectives`), against `mlp_all_reduce_bytes` (batch x seq x d_model x 4 bytes, per block and
-# direction), and what DDP all-reduces for the same layer (`AllReduceCounter`): its gradients, whatever the batch.
+# For each batch shape the cell prints three things:
+#
+# - The all-reduces the tensor-parallel layer makes in forward and in backward, counted by `count_collectives`.
+# - The formula, `mlp_all_reduce_bytes`: batch x seq x d_model x 4 bytes, per block and direction.
+# - What DDP all-reduces for the same layer, counted by `AllReduceCounter`: its gradients, whatever the batch.
 
 # %%
 rows, ddp = communication[0]["rows"], communication[0]["ddp"]  # rank 0's (rank 1 counts the same)
@@ -165,19 +185,25 @@ crossover = ddp_bytes / (4 * D_MODEL * 4)
 print(f"the two meet at {crossover:,.0f} tokens per step: the layer's parameter bytes / (4 all-reduces x d_model x 4)")
 
 # %% [markdown]
-# Tensor parallelism all-reduces activations: its bytes grow with the tokens, four tensors of
+# Tensor parallelism all-reduces activations. Its bytes grow with the tokens: four tensors of
 # `batch x seq x d_model` per layer and step, however many ranks there are. Data parallelism all-reduces
-# gradients: the parameters' bytes, whatever the batch. For a layer of about `12 d_model^2` parameters the two
-# meet near `3 d_model` tokens per step; real trainings run far more tokens than that per device, so tensor
-# parallelism sends more bytes than data parallelism, and it sends them in the middle of the computation (next
-# section). It is worth it only where the model does not fit otherwise, and over fast links.
+# gradients: the parameters' bytes, whatever the batch. For a layer of about `12 d_model^2` parameters, the two
+# meet near `3 d_model` tokens per step. Past that, tensor parallelism sends more bytes than data parallelism, and
+# it sends them in the middle of the computation (next section). It is worth it where a layer's weights or
+# activations do not fit otherwise, or where there are more devices than the batch can use, and over fast links.
 #
 # ## 4. One step's timeline
 #
-# `time_steps` runs three models on the same two processes, a step of each in turn: the whole model on the whole
-# batch in each process (one process's speed, the reference), the tensor-parallel model (each rank its shards, the
-# whole batch), and DDP (the whole model, half the batch each). For tensor parallelism it notes when each
-# all-reduce was called and when it returned. One step, the one with the median time:
+# `time_steps` runs three models on the same two processes, a step of each in turn:
+#
+# - One process: the whole model on the whole batch in each process. This is the reference.
+# - Tensor parallel: each rank its shards, on the whole batch.
+# - DDP: the whole model, on half the batch each.
+#
+# For tensor parallelism it notes when each all-reduce was called and when it returned. Here is one layer's step
+# as a schematic first, then the measured step with the median time:
+#
+# ![One layer's step on two ranks: two all-reduces forward, two backward](../lessons/figures/12_layer_step_timeline.png)
 
 
 # %%
@@ -201,16 +227,19 @@ for rank, timeline in enumerate(timelines):
     )
 
 # %% [markdown]
-# In this implementation each all-reduce sits between two computations that need its result: the rank does
-# nothing else while it runs (red), and a rank that reaches it first waits there for the other. (Megatron-LM
-# starts the backward all-reduce of the input's gradient asynchronously and computes the weight gradient
-# meanwhile, which needs no all-reduced value; kernels that cut the products into chunks overlap forward
-# communication too, such as PyTorch's symmetric-memory `fused_all_gather_matmul` and
-# `fused_matmul_reduce_scatter`, for sequence-parallel layers on GPUs.)
+# In this implementation each all-reduce sits between two computations that need its result. The rank does
+# nothing else while it runs (red). A rank that reaches it first waits there for the other. So the share printed
+# above is the time inside the all-reduces, waiting for the slower rank included, not the transfer alone.
 #
-# DDP, for comparison: when does it start each bucket's all-reduce in a backward of the same model (half the batch
-# per rank), and how long is that backward, all-reduces included? A fresh DDP model with a communication hook that
-# notes each bucket (`ddp_bucket_starts`), the second step's, after DDP rebuilt its buckets:
+# Megatron-LM does better in backward. It starts the all-reduce of the input's gradient asynchronously, and
+# meanwhile computes the weight gradient, which needs no all-reduced value. Kernels that cut the products into
+# chunks overlap the forward communication too. PyTorch's symmetric-memory `fused_all_gather_matmul` and
+# `fused_matmul_reduce_scatter` do that for sequence-parallel layers on GPUs.
+#
+# DDP, for comparison. When does it start each bucket's all-reduce in a backward of the same model, with half the
+# batch per rank? And how long is that backward, all-reduces included? The cell builds a fresh DDP model with a
+# communication hook that notes each bucket (`ddp_bucket_starts`). It prints the second step's buckets, after DDP
+# rebuilt them:
 
 # %%
 buckets = timed[0]["data parallel"]["buckets"]
@@ -219,10 +248,10 @@ for number, (start, size) in enumerate(buckets["buckets"]):
 print(f"backward returned after {buckets['backward'] * 1e3:.1f} ms (every bucket all-reduced)")
 
 # %% [markdown]
-# DDP's first bucket (1 MiB by default) closes early in backward and its all-reduce runs while backward goes on;
-# the second holds the rest of the gradients and can start only when backward has produced all of them, at the end:
-# most of DDP's bytes here are not overlapped either. With more, smaller buckets (`bucket_cap_mb`, lesson 09) more
-# of them would be.
+# DDP's first bucket, 1 MiB by default, closes early in backward. Its all-reduce runs while backward goes on. The
+# second bucket holds the rest of the gradients. It can start only when backward has produced all of them, at the
+# end. So most of DDP's bytes are not overlapped here either. With more, smaller buckets (`bucket_cap_mb`, lesson
+# 09), more of them would be.
 #
 # ## 5. Throughput on the same two processes
 
@@ -239,21 +268,33 @@ for name in ("one process", "tensor parallel", "data parallel"):
     )
 
 # %% [markdown]
-# Both halve the matrix products per process. Data parallelism computes whole-width products on half the batch
-# and all-reduces the gradients in two buckets; tensor parallelism computes half-width products on the whole batch,
-# repeats the norms and the residual additions on every rank, and makes four all-reduces per layer, blocking as
-# built here, of more bytes in all (section 3). When the model fits on each device, data parallelism is the faster
-# way to use two; tensor parallelism buys memory (section 2), and pays for it in time against data parallelism.
+# The three versions ran interleaved, step by step, each process with one thread. So a background load hit them
+# alike, and tensor against data parallelism is a fair comparison. Both also ran more than twice as fast as one
+# process. Halving each process's work does not explain that, and this run does not measure the cause.
+#
+# Both halve the matrix products per process, in different ways:
+#
+# - Data parallelism computes whole-width products on half the batch. It all-reduces the gradients in two buckets.
+# - Tensor parallelism computes half-width products on the whole batch. It repeats the norms and the residual
+#   additions on every rank. It makes four all-reduces per layer, blocking as built here, of more bytes in all
+#   (section 3).
+#
+# When the model fits on each device, data parallelism is the faster way to use two. Tensor parallelism buys
+# memory (section 2), and pays for it in time against data parallelism.
 #
 # ## 6. Solution 13, on one replica and on a 2-D mesh
 #
-# First 2 processes, one copy of the model split over both, batches of 64. Then 4 processes: 2 data-parallel
-# replicas x 2 tensor-parallel ranks (`--data-parallel 2`) with 32 samples per replica. Ranks 0 and 1 hold one
-# copy of the model, split; ranks 2 and 3 the other copy, split the same way. The `DistributedSampler` of 2
-# replicas deals each the alternate samples of the same shuffled order, so the two replicas' batches of 32 are,
-# together, the one run's batch of 64, and DDP over each pair {0, 2} and {1, 3} averages the gradients of the same
-# shard: the second run takes the first run's steps, up to float rounding. Then both again with torch's version
-# (`--tp torch`: DTensor's tensor parallelism, and FSDP2 over the replicas).
+# First, 2 processes hold one copy of the model, split over both, with batches of 64. Then 4 processes form 2
+# data-parallel replicas x 2 tensor-parallel ranks (`--data-parallel 2`), with 32 samples per replica. Ranks 0 and
+# 1 hold one copy of the model, split. Ranks 2 and 3 hold the other copy, split the same way.
+#
+# ![A 2 x 2 mesh: tp groups inside a node, dp groups across nodes](../lessons/figures/12_mesh_2d.png)
+#
+# The `DistributedSampler` of 2 replicas deals each one the alternate samples of the same shuffled order. So the
+# two replicas' batches of 32 are, together, the one run's batch of 64. DDP over each pair {0, 2} and {1, 3}
+# averages the gradients of the same shard. The second run therefore takes the first run's steps, up to float
+# rounding. Then both run again with torch's version (`--tp torch`): DTensor's tensor parallelism, and FSDP2 over
+# the replicas.
 
 # %%
 runs = {
