@@ -20,7 +20,7 @@ class here builds one stage from the plain collectives, so that lesson 08 can ch
 
 Every collective goes through ``dist.broadcast`` or ``common.collectives.all_gather_into`` / ``reduce_scatter_into``,
 looked up at call time, so that ``common.collectives.count_collectives`` sees them all. Gradients are summed, then
-divided by the world size: gloo has no reliable ``ReduceOp.AVG``.
+divided by the world size, as DDP does: older PyTorch versions refuse ``ReduceOp.AVG`` on gloo.
 """
 
 import math

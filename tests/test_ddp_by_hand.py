@@ -219,6 +219,17 @@ def register_hook_data_parallel(env) -> dict:
     return results
 
 
+def gloo_average(env) -> dict:
+    """An all-reduce with ``ReduceOp.AVG`` on gloo, rank r sending r + 1: the result, or the error it raises (older
+    PyTorch versions raise ``Cannot use ReduceOp.AVG with Gloo``)."""
+    tensor = torch.full((2,), float(env.rank + 1))
+    try:
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+    except (RuntimeError, ValueError) as error:
+        return {"error": str(error)}
+    return {"result": tensor}
+
+
 def ranks(env) -> dict:
     timeline = bucket_timeline(env, bucket_cap_mb=0.25, width=256, depth=3, batch_size=16)
     return {
@@ -226,6 +237,7 @@ def ranks(env) -> dict:
         "properties": properties(env),
         "timeline": timeline,
         "register_hook": register_hook_data_parallel(env),
+        "gloo average": gloo_average(env),
     }
 
 
@@ -326,6 +338,14 @@ def test_a_blocking_all_reduce_of_the_hooks_argument_returned_from_register_hook
             torch.testing.assert_close(run["grads"], reference, msg=name)
             # one blocking all-reduce per parameter, of its gradient's bytes
             assert sorted(run["calls"]) == sorted(["all_reduce", False, size] for size in sizes), name
+
+
+def test_gloo_all_reduce_with_avg_averages_in_this_pytorch(results):
+    """Lesson 08 says this PyTorch accepts ``ReduceOp.AVG`` on gloo, and the builds sum and divide for other reasons.
+    Ranks send 1s and 2s: the mean is 1.5, where a sum would be 3."""
+    for rank in results:
+        assert "error" not in rank["gloo average"], rank["gloo average"]
+        torch.testing.assert_close(rank["gloo average"]["result"], torch.full((2,), 1.5), rtol=0, atol=0)
 
 
 def test_naive_ddp_starts_one_blocking_all_reduce_per_trainable_parameter(results):
