@@ -22,7 +22,7 @@
 # You will see the collectives of one step, and when each bucket's all-reduce runs during the backward pass. Then
 # the step time of each build against torch's DDP, and what each rank holds under ZeRO-1, 2 and 3.
 #
-# ![Three timelines of one backward pass: naive all-reduces after backward, overlapped per gradient, bucketed per bucket](../lessons/figures/08_three_builds_timeline.png)
+# ![The three builds on a timeline of one backward pass](../lessons/figures/08_three_builds_timeline.png)
 
 # %%
 import datetime
@@ -86,7 +86,7 @@ def lines(text, *starts):
 # applies DDP's rule. It takes the tensors in reverse order of `parameters()` and closes a bucket once it reaches
 # the cap.
 #
-# ![Four gradients packed in reverse order into two flat buckets, each gradient a view of its slice](../lessons/figures/08_flat_bucket.png)
+# ![Four gradients packed in reverse order into two flat buckets](../lessons/figures/08_flat_bucket.png)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -159,7 +159,7 @@ for bucket in timeline["buckets"]:
 # autograd, so overlap can hide little, and the order of the builds changes from run to run. The lesson quotes the
 # same benchmark between two emulated nodes joined by a 1 Gbit/s link, where the builds separate:
 #
-# ![Bar charts of step time per build on loopback, 1 Gbit/s and 200 Mbit/s](../lessons/figures/08_build_step_times.png)
+# ![Step time per build on loopback, 1 Gbit/s and 200 Mbit/s](../lessons/figures/08_build_step_times.png)
 
 # %%
 print(launch("benchmarks/ddp_by_hand.py", *BENCHMARK, nproc=2).stdout)
@@ -167,7 +167,7 @@ print(launch("benchmarks/ddp_by_hand.py", *BENCHMARK, nproc=2).stdout)
 # %% [markdown]
 # ## ZeRO by hand: what each rank holds, and what it sends
 #
-# ![Four ranks under DDP, ZeRO-1, ZeRO-2 and ZeRO-3: parameters, gradients and Adam state, whole or a quarter each](../lessons/figures/08_zero_who_holds_what.png)
+# ![What each of 4 ranks holds under DDP and ZeRO-1, 2, 3](../lessons/figures/08_zero_who_holds_what.png)
 #
 # `solutions/10_zero_by_hand.py` trains `DeepMLP` with Adam under one ZeRO stage. ZeRO-1 is `ZeRO1Optimizer`
 # around `BucketedDDP`. ZeRO-2 is `ZeRO2Optimizer`, with no DDP. ZeRO-3 is `ZeRO3Model`. Each run prints the
@@ -188,7 +188,7 @@ for stage, extra, nproc in ZERO_RUNS:
 # it times ZeRO-3 with prefetch and without. With prefetch, each unit's all-gather starts while the unit before it
 # computes.
 #
-# ![Forward of four units with and without prefetch: the next all-gather overlaps the current compute](../lessons/figures/08_zero3_prefetch_timeline.png)
+# ![ZeRO-3's forward with and without prefetch](../lessons/figures/08_zero3_prefetch_timeline.png)
 
 # %%
 print(launch("benchmarks/zero_by_hand.py", *ZERO_BENCHMARK, nproc=2).stdout)
