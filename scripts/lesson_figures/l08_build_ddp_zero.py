@@ -42,8 +42,8 @@ def three_builds_timeline(path: Path) -> None:
         axes.text(0.0, network_y + 0.22, "network", fontsize=9, va="center")
         for k in range(5):
             box(axes, start + layer_width * k, compute_y, layer_width, 0.45, f"grad L{4 - k}", COMPUTE, 8)
-        if name == "naive":
-            messages = [(backward_end + 0.55 * k, 0.5, f"L{4 - k}") for k in range(5)]
+        if name == "naive":  # after backward, in parameters() order: L0 first (NaiveDDP loops self.trainable)
+            messages = [(backward_end + 0.55 * k, 0.5, f"L{k}") for k in range(5)]
         elif name == "overlapped":
             messages, free = [], 0.0
             for k, t in enumerate(ready):
@@ -59,10 +59,10 @@ def three_builds_timeline(path: Path) -> None:
         axes.plot([backward_end, backward_end], [network_y - 0.1, compute_y + 0.55], color="black", lw=1, ls=":")
     axes.text(
         0.0,
-        0.05,
+        -0.25,
         "Dotted line: backward() returns. Widths are illustrative: five layers, gradients ready from the last layer\n"
-        "(L4) to the first (L0). Every all-reduce pays a fixed cost, so a bucket of two gradients takes less than two "
-        "small ones.",
+        "(L4) to the first (L0). Naive sends in parameters() order, L0 first. Every all-reduce pays a fixed cost, so\n"
+        "a bucket of two gradients takes less than two small ones.",
         fontsize=8,
         color="#333333",
     )
