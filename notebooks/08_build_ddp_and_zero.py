@@ -83,8 +83,8 @@ def lines(text, *starts):
 #
 # LeNet has 8 parameter tensors. The naive build all-reduces each gradient on its own: 8 messages per step. A
 # bucketed build sends one message per bucket. The bytes stay the same: every gradient once. `assign_buckets`
-# applies DDP's rule. It takes the tensors in reverse order of `parameters()` and closes a bucket once it reaches
-# the cap.
+# applies DDP's rule. It takes the tensors in reverse order of `parameters()`, the order in which backward produces
+# their gradients. It closes a bucket once its size reaches the cap, with the tensor that crossed it.
 #
 # ![Four gradients packed in reverse order into two flat buckets](../lessons/figures/08_flat_bucket.png)
 
@@ -150,7 +150,9 @@ for bucket in timeline["buckets"]:
 
 # %% [markdown]
 # Each tick is a gradient becoming ready. A bucket's bar starts at its last tick, or later if the bucket before it
-# has not started yet: buckets start in order. The bar runs while autograd computes the gradients of earlier layers.
+# has not started yet: buckets start in order. The bar runs while autograd computes the gradients of the layers
+# closer to the input. Only the start order must agree across ranks: gloo runs the all-reduces on worker threads,
+# so they can end in any order.
 #
 # ## Step time against torch's DDP
 #
@@ -169,9 +171,11 @@ print(launch("benchmarks/ddp_by_hand.py", *BENCHMARK, nproc=2).stdout)
 #
 # ![What each of 4 ranks holds under DDP and ZeRO-1, 2, 3](../lessons/figures/08_zero_who_holds_what.png)
 #
-# `solutions/10_zero_by_hand.py` trains `DeepMLP` with Adam under one ZeRO stage. ZeRO-1 is `ZeRO1Optimizer`
-# around `BucketedDDP`. ZeRO-2 is `ZeRO2Optimizer`, with no DDP. ZeRO-3 is `ZeRO3Model`. Each run prints the
-# collectives of one step. It also prints the bytes of model state each rank holds, beside lesson 06's arithmetic
+# `solutions/10_zero_by_hand.py` trains `DeepMLP` with Adam under one ZeRO stage. ZeRO-1 is `ZeRO1Optimizer` on
+# the parameters of `BucketedDDP(model)`, which averages the gradients. ZeRO-2 is `ZeRO2Optimizer`, with no DDP.
+# ZeRO-3 is `ZeRO3Model`, with the model's blocks as units: the input and output layers form its root. Each run
+# prints the collectives of one step. Their bytes are the sizes of the tensors handed to each collective, not the
+# traffic on the wire. Each run also prints the bytes of model state each rank holds, beside lesson 06's arithmetic
 # from `common.memory.zero_bytes_per_rank`.
 
 # %%
