@@ -42,7 +42,8 @@ What every wrapper handles:
   launches in ``finish_gradient_synchronization``.
 
 Also as DDP: the all-reduces start in one fixed order on every rank (reverse ``parameters()``), and the gradients
-are summed, then divided by the world size (gloo has no reliable averaging all-reduce). Unlike DDP: buffers
+are summed, then divided by the world size (DDP too reduces with SUM, dividing each gradient on its way into the
+bucket; and older PyTorch versions refuse ``ReduceOp.AVG`` on gloo). Unlike DDP: buffers
 (BatchNorm's running statistics) are broadcast once, at construction, not before every forward; one
 ``backward()`` per ``finish_gradient_synchronization()`` (no ``no_sync`` for gradient accumulation).
 """

@@ -20,7 +20,8 @@ class here builds one stage from the plain collectives, so that lesson 08 can ch
 
 Every collective goes through ``dist.broadcast`` or ``common.collectives.all_gather_into`` / ``reduce_scatter_into``,
 looked up at call time, so that ``common.collectives.count_collectives`` sees them all. Gradients are summed, then
-divided by the world size: gloo has no reliable ``ReduceOp.AVG``.
+divided by the world size: older PyTorch versions refuse ``ReduceOp.AVG`` on gloo. (DDP divides first: with no
+communication hook, it scales each gradient by 1/N as it copies it into its bucket, then sums the buckets.)
 """
 
 import math

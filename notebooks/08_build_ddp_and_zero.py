@@ -17,10 +17,12 @@
 # # Lesson 08: build DDP and ZeRO yourself
 #
 # The companion notebook of `lessons/08_build_ddp_and_zero.md`. The builds live in `common/ddp_by_hand.py` and
-# `common/zero_by_hand.py`; here they run, through `torchrun` subprocesses (the solutions `09_ddp_by_hand.py` and
-# `10_zero_by_hand.py`) and `common.launch.run_on_ranks`, and are measured: the collectives of one step, when each
-# bucket's all-reduce runs against the backward pass, the step time against torch's DDP, and what each rank holds
-# under ZeRO-1, 2 and 3.
+# `common/zero_by_hand.py`. Here they run and are measured. The solutions `09_ddp_by_hand.py` and
+# `10_zero_by_hand.py` run as `torchrun` subprocesses, and `common.launch.run_on_ranks` runs the rest on 2 processes.
+# You will see the collectives of one step, and when each bucket's all-reduce runs during the backward pass. Then
+# the step time of each build against torch's DDP, and what each rank holds under ZeRO-1, 2 and 3.
+#
+# ![The three builds on a timeline of one backward pass](../lessons/figures/08_three_builds_timeline.png)
 
 # %%
 import datetime
@@ -80,8 +82,11 @@ def lines(text, *starts):
 # ## The arithmetic: how many messages, how many bytes
 #
 # LeNet has 8 parameter tensors. The naive build all-reduces each gradient on its own: 8 messages per step. A
-# bucketed build sends as many messages as it has buckets, and the same bytes in all: every gradient once.
-# `assign_buckets` applies DDP's rule, in reverse order of `parameters()`, a bucket closing once it reaches the cap:
+# bucketed build sends one message per bucket. The bytes stay the same: every gradient once. `assign_buckets`
+# applies DDP's rule. It takes the tensors in reverse order of `parameters()`, the order in which backward produces
+# their gradients. It closes a bucket once its size reaches the cap, with the tensor that crossed it.
+#
+# ![Four gradients packed in reverse order into two flat buckets](../lessons/figures/08_flat_bucket.png)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -96,10 +101,10 @@ for cap_bytes in (1_000, 200_000, 25 * 2**20):
 # %% [markdown]
 # ## Four builds, one training
 #
-# `solutions/09_ddp_by_hand.py` trains LeNet on digits with `--ddp naive`, `overlapped`, `bucketed` or `torch`
-# (`DistributedDataParallel`), and prints the collectives of one training step. All four start from rank 0's
-# weights and apply the same averaged gradients, so they print the same losses; what differs is how the gradients
-# travel.
+# `solutions/09_ddp_by_hand.py` trains LeNet on digits with `--ddp naive`, `overlapped`, `bucketed` or `torch`.
+# The last one is `DistributedDataParallel`. Each run prints the collectives of one training step. All four start
+# from rank 0's weights and apply the same averaged gradients. So they print the same losses. What differs is how
+# the gradients travel.
 
 # %%
 for build, extra in BUILD_RUNS:
@@ -110,9 +115,10 @@ for build, extra in BUILD_RUNS:
 # %% [markdown]
 # ## When each all-reduce runs: a timeline of one backward pass
 #
-# `bucket_timeline` times one training step of `BucketedDDP` on `DeepMLP` (2 processes): when each gradient became
-# ready (its post-accumulate-grad hook), and when each bucket's all-reduce started and finished, in milliseconds
-# from the start of `backward()`. The buckets that start before `backward()` returns overlap with it.
+# `bucket_timeline` times one training step of `BucketedDDP` on `DeepMLP`, on 2 processes. It records when each
+# gradient became ready, from its post-accumulate-grad hook. It also records when each bucket's all-reduce started
+# and finished. The times are in milliseconds from the start of `backward()`. A bucket that starts before
+# `backward()` returns overlaps with it.
 
 # %%
 timeline = run_on_ranks(bucket_timeline, 2, 0.5, timeout=120)[0]  # rank 0's view; 0.5 MiB buckets
@@ -143,13 +149,19 @@ for bucket in timeline["buckets"]:
     )
 
 # %% [markdown]
-# Each tick is a gradient becoming ready; a bucket's bar starts at its last tick (or when the bucket before it has
-# started: they start in order), and runs while autograd computes the gradients of the layers before it.
+# Each tick is a gradient becoming ready. A bucket's bar starts at its last tick, or later if the bucket before it
+# has not started yet: buckets start in order. The bar runs while autograd computes the gradients of the layers
+# closer to the input. Only the start order must agree across ranks: gloo runs the all-reduces on worker threads,
+# so they can end in any order.
 #
 # ## Step time against torch's DDP
 #
-# `benchmarks/ddp_by_hand.py` trains the same `DeepMLP` with every build, taking turns round after round, and
-# prints the median step time and the ratio to torch's DDP.
+# `benchmarks/ddp_by_hand.py` trains the same `DeepMLP` with every build. The builds take turns, round after round.
+# It prints the median step time and the ratio to torch's DDP. Here, on loopback, gloo shares the two cores with
+# autograd, so overlap can hide little, and the order of the builds changes from run to run. The lesson quotes the
+# same benchmark between two emulated nodes joined by a 1 Gbit/s link, where the builds separate:
+#
+# ![Step time per build on loopback, 1 Gbit/s and 200 Mbit/s](../lessons/figures/08_build_step_times.png)
 
 # %%
 print(launch("benchmarks/ddp_by_hand.py", *BENCHMARK, nproc=2).stdout)
@@ -157,9 +169,14 @@ print(launch("benchmarks/ddp_by_hand.py", *BENCHMARK, nproc=2).stdout)
 # %% [markdown]
 # ## ZeRO by hand: what each rank holds, and what it sends
 #
-# `solutions/10_zero_by_hand.py` trains `DeepMLP` with Adam under ZeRO-1 (`ZeRO1Optimizer` around `BucketedDDP`),
-# ZeRO-2 (`ZeRO2Optimizer`, no DDP) or ZeRO-3 (`ZeRO3Model`), and prints the collectives of one step and the bytes
-# of model state each rank holds beside lesson 06's arithmetic (`common.memory.zero_bytes_per_rank`).
+# ![What each of 4 ranks holds under DDP and ZeRO-1, 2, 3](../lessons/figures/08_zero_who_holds_what.png)
+#
+# `solutions/10_zero_by_hand.py` trains `DeepMLP` with Adam under one ZeRO stage. ZeRO-1 is `ZeRO1Optimizer` on
+# the parameters of `BucketedDDP(model)`, which averages the gradients. ZeRO-2 is `ZeRO2Optimizer`, with no DDP.
+# ZeRO-3 is `ZeRO3Model`, with the model's blocks as units: the input and output layers form its root. Each run
+# prints the collectives of one step. Their bytes are the sizes of the tensors handed to each collective, not the
+# traffic on the wire. Each run also prints the bytes of model state each rank holds, beside lesson 06's arithmetic
+# from `common.memory.zero_bytes_per_rank`.
 
 # %%
 for stage, extra, nproc in ZERO_RUNS:
@@ -169,10 +186,13 @@ for stage, extra, nproc in ZERO_RUNS:
 # ## What each rank holds, measured, and ZeRO-3's prefetch
 #
 # The model-state figures above are the sizes of the tensors that the model and the optimizer reference after a
-# step: lesson 06's arithmetic again. `benchmarks/zero_by_hand.py` measures instead: it counts every tensor storage
-# alive (`common.experiments.zero.LiveTensorBytes`, from before the model is made) during one Adam step of each
-# build, and prints what a rank holds as the step begins and its peak in forward, backward and step. Then it times
-# ZeRO-3 with prefetch (each unit's all-gather started while the unit before computes) and without.
+# step. They repeat lesson 06's arithmetic. `benchmarks/zero_by_hand.py` measures instead. It counts every tensor
+# storage alive during one Adam step of each build, with `common.experiments.zero.LiveTensorBytes`, from before the
+# model is made. It prints what a rank holds as the step begins, and its peak in forward, backward and step. Then
+# it times ZeRO-3 with prefetch and without. With prefetch, each unit's all-gather starts while the unit before it
+# computes.
+#
+# ![ZeRO-3's forward with and without prefetch](../lessons/figures/08_zero3_prefetch_timeline.png)
 
 # %%
 print(launch("benchmarks/zero_by_hand.py", *ZERO_BENCHMARK, nproc=2).stdout)

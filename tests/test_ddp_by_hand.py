@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.collectives import count_collectives
+from common.collectives import AllReduceCounter, count_collectives
 from common.ddp import ddp_buckets
 from common.ddp_by_hand import BucketedDDP, NaiveDDP, OverlappedDDP, assign_buckets
 from common.experiments.ddp_by_hand import bucket_timeline
@@ -219,6 +219,38 @@ def register_hook_data_parallel(env) -> dict:
     return results
 
 
+def gloo_average(env) -> dict:
+    """An all-reduce with ``ReduceOp.AVG`` on gloo, rank r sending r + 1: the result, or the error it raises (older
+    PyTorch versions raise ``Cannot use ReduceOp.AVG with Gloo``)."""
+    tensor = torch.full((2,), float(env.rank + 1))
+    try:
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+    except (RuntimeError, ValueError) as error:
+        return {"error": str(error)}
+    return {"result": tensor}
+
+
+def torch_ddp_overlap(env) -> list[dict]:
+    """Torch's DDP, at its default caps, on DeepMLP(width=512, depth=2) (2.7 MB of gradients), two steps: when each
+    bucket's all-reduce started (``AllReduceCounter``, a communication hook that DDP calls as a bucket is ready),
+    when ``blocks.0``'s weight got its gradient (the layer before the stem: backward is not over), and when
+    ``backward()`` returned."""
+    generator = torch.Generator().manual_seed(env.rank)
+    X, y = torch.randn(16, *DeepMLP.input_shape, generator=generator), torch.randint(0, 10, (16,), generator=generator)
+    torch.manual_seed(0)
+    net = DDP(DeepMLP(width=512, depth=2))
+    counter, ready = AllReduceCounter.attach(net), []
+    net.module.blocks[0][0].weight.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
+    steps = []
+    for _ in range(2):
+        counter.reset()
+        loss = F.cross_entropy(net(X), y)
+        loss.backward()
+        steps.append({"starts": [start for start, _ in counter.starts], "blocks.0 ready": ready[-1]})
+        steps[-1]["backward returned"] = time.perf_counter()
+    return steps
+
+
 def ranks(env) -> dict:
     timeline = bucket_timeline(env, bucket_cap_mb=0.25, width=256, depth=3, batch_size=16)
     return {
@@ -226,6 +258,8 @@ def ranks(env) -> dict:
         "properties": properties(env),
         "timeline": timeline,
         "register_hook": register_hook_data_parallel(env),
+        "gloo average": gloo_average(env),
+        "torch ddp overlap": torch_ddp_overlap(env),
     }
 
 
@@ -328,6 +362,14 @@ def test_a_blocking_all_reduce_of_the_hooks_argument_returned_from_register_hook
             assert sorted(run["calls"]) == sorted(["all_reduce", False, size] for size in sizes), name
 
 
+def test_gloo_all_reduce_with_avg_averages_in_this_pytorch(results):
+    """Lesson 08 says this PyTorch accepts ``ReduceOp.AVG`` on gloo, and the builds sum and divide for other reasons.
+    Ranks send 1s and 2s: the mean is 1.5, where a sum would be 3."""
+    for rank in results:
+        assert "error" not in rank["gloo average"], rank["gloo average"]
+        torch.testing.assert_close(rank["gloo average"]["result"], torch.full((2,), 1.5), rtol=0, atol=0)
+
+
 def test_naive_ddp_starts_one_blocking_all_reduce_per_trainable_parameter(results):
     for rank in results:
         naive = rank["properties"]["naive"]
@@ -400,6 +442,18 @@ def test_the_timeline_shows_buckets_all_reduced_while_backward_runs(results):
     for bucket in rank0["buckets"]:
         assert 0 <= bucket["started_ms"] <= bucket["ended_ms"] <= rank0["finish_ms"]
     assert len(rank0["gradients"]) == 10 and rank0["gradients"][0]["parameter"] == "head.bias"
+
+
+def test_torch_ddp_starts_its_first_buckets_all_reduce_during_backward_from_the_second_step_on(results):
+    """Lesson 08's errata: DDP does not wait for backward to end, except in its first step. With
+    find_unused_parameters=False, the first backward runs with one bucket: its one all-reduce starts once the last
+    gradient is in, after blocks.0's. After DDP rebuilds its buckets, the first (head and blocks.1, capped at
+    1 MiB) starts before autograd has even reached blocks.0."""
+    for rank in results:
+        first, second = rank["torch ddp overlap"]
+        assert len(first["starts"]) == 1 and first["starts"][0] > first["blocks.0 ready"]
+        assert len(second["starts"]) == 2
+        assert second["starts"][0] < second["blocks.0 ready"] < second["starts"][1] < second["backward returned"]
 
 
 @pytest.mark.slow  # a benchmark's drill: make test-slow
