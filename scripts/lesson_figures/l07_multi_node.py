@@ -1,5 +1,6 @@
 """Lesson 07's pictures: the ranks of two nodes, the c10d rendezvous, the agent's restart loop, how a checkpoint is
-committed and found, a crash resumed on a timeline, the emulated cluster, and the bus bandwidth over its slow link."""
+committed and found, a crash resumed on a timeline, a resume at another world size, the emulated cluster, and the bus
+bandwidth over its slow link."""
 
 import json
 from pathlib import Path
@@ -99,20 +100,24 @@ def c10d_rendezvous(path: Path) -> None:
     box(axes, 0.1, 2.9, 3.1, 2.0, "", "#eef4fb")
     axes.text(1.65, 4.6, "machine node9 = HOST", ha="center", fontsize=9, weight="bold")
     box(axes, 0.3, 3.85, 2.7, 0.55, "c10d store at HOST:PORT", COMMUNICATE, 8)
-    box(axes, 0.3, 3.05, 2.7, 0.6, "agent (torchrun, is_host=1)\njoins 1st", "#ffffff", 8)
+    box(axes, 0.3, 3.05, 1.9, 0.6, "agent (torchrun,\nis_host=1), joins 1st", "#ffffff", 8)
+    arrow(axes, (1.25, 3.65), (1.25, 3.85))  # node9's agent writes its triple into its own store
     box(axes, 0.1, 0.3, 3.1, 2.0, "", "#eef4fb")
-    axes.text(1.9, 1.85, "machine node10", ha="center", fontsize=9, weight="bold")
-    box(axes, 0.3, 0.55, 2.7, 0.6, "agent (torchrun)\njoins 2nd", "#ffffff", 8)
-    arrow(axes, (0.6, 1.15), (0.6, 3.05), colour="#555555")
-    axes.text(0.7, 2.55, "connects to HOST:PORT", fontsize=8, color="#555555")
+    axes.text(1.65, 1.85, "machine node10", ha="center", fontsize=9, weight="bold")
+    box(axes, 0.3, 0.55, 1.9, 0.6, "agent (torchrun)\njoins 2nd", "#ffffff", 8)
+    # node10's agent is a client of the store, not of node9's agent
+    axes.plot([2.2, 2.65], [0.85, 0.85], color="#555555", lw=1.2)
+    arrow(axes, (2.65, 0.85), (2.65, 3.85), colour="#555555")
+    axes.text(
+        2.55, 2.82, "connects to HOST:PORT,\nwrites its triple", fontsize=8, color="#555555", ha="right", va="top"
+    )
     # what the store holds, then sorted
     box(axes, 3.8, 2.9, 2.7, 1.7, "", "#ffffff")
-    axes.text(5.15, 4.3, "the store: one triple per node", ha="center", fontsize=8, weight="bold")
+    axes.text(5.15, 4.3, "contents of the store on node9", ha="center", fontsize=8, weight="bold")
     axes.text(5.15, 3.85, "(node9, 4711, 0)", ha="center", fontsize=8, family="monospace")
     axes.text(5.15, 3.4, "(node10, 5230, 0)", ha="center", fontsize=8, family="monospace")
     axes.text(5.15, 3.05, "address, PID, counter", ha="center", fontsize=7, color="#555555")
-    arrow(axes, (3.0, 3.35), (3.8, 3.6))
-    arrow(axes, (3.0, 0.85), (3.8, 3.2))
+    arrow(axes, (3.0, 4.12), (3.8, 4.12))
     box(axes, 3.8, 0.3, 2.7, 2.0, "", "#ffffff")
     axes.text(5.15, 2.0, "--nnodes reached: sort", ha="center", fontsize=8, weight="bold")
     axes.text(5.15, 1.45, '"node10" < "node9"', ha="center", fontsize=8, family="monospace")
@@ -241,15 +246,23 @@ def crash_resume_timeline(path: Path) -> None:
     axes.text(0.0, 3.85, "attempt 0", fontsize=9, va="center", weight="bold")
     for step in range(1, 14):
         step_box(step, 3.5, COMPUTE)
-    step_box(14, 3.5, "#e15759")
-    axes.text(x0 + 14.2, 3.85, "rank 3 fails at step 14: every worker stops", fontsize=8, va="center", color="#b03030")
+    # step 14 never runs: rank 3 raises before its forward pass, so no rank finishes it
+    axes.add_patch(plt.Rectangle((x0 + 13, 3.5), 0.9, 0.7, fc="white", ec="#b03030", lw=1.2, ls="--", hatch="//"))
+    axes.text(
+        x0 + 14.2,
+        3.85,
+        "rank 3 fails on reaching step 14, before computing it:\nstep 14 never runs, every worker stops",
+        fontsize=8,
+        va="center",
+        color="#b03030",
+    )
     for saved in (4, 8, 12):
         edge = x0 + saved - 0.05  # after the step: between its box and the next
         axes.plot([edge, edge], [3.35, 4.4], color="#2a6f2a", lw=1.6)
         axes.text(edge, 4.55, f"save {saved}", ha="center", fontsize=8, color="#2a6f2a")
     axes.text(0.0, 1.85, "attempt 1", fontsize=9, va="center", weight="bold")
     for step in range(13, 25):
-        step_box(step, 1.5, "#fdd0a2" if step in (13, 14) else COMPUTE)
+        step_box(step, 1.5, "#fdd0a2" if step == 13 else COMPUTE)
     arrow(axes, (x0 + 11.95, 3.35), (x0 + 11.95, 2.3), colour="#2a6f2a")
     axes.text(
         x0 + 11.7,
@@ -260,12 +273,84 @@ def crash_resume_timeline(path: Path) -> None:
         ha="right",
         color="#2a6f2a",
     )
-    axes.text(x0 + 13.0, 1.4, "13 and 14 again", fontsize=8, ha="center", va="top")
+    axes.text(x0 + 12.5, 1.4, "13 again, then 14\nfor the first time", fontsize=8, ha="center", va="top")
     axes.text(x0 + 24.0, 1.4, "step 24: torch.equal to\nthe uninterrupted run", fontsize=8, ha="right", va="top")
     for step in (1, 12, 24):
         axes.text(x0 + step - 0.55, 0.2, str(step), ha="center", fontsize=8)
     axes.text(x0 + 6.0, 0.2, "optimizer step (2 epochs of 12)", ha="center", fontsize=8)
     axes.text(x0 + 12.3, 2.65, "epoch 2 starts", fontsize=8, color="#555555")
+    save(fig, path)
+
+
+def resize_resume_order(path: Path) -> None:
+    """How a resume at another world size finds the samples already trained: positions of the epoch's order, dealt
+    out round-robin. Illustrative: 24 samples, batches of 2, 2 ranks train 2 batches each, then 4 ranks resume."""
+    fig, axes = canvas(10, 4.2, xlim=10, ylim=6.2)
+    x0, width = 1.55, 0.34  # position p occupies [x0 + p * width, x0 + (p + 1) * width)
+
+    def cell(position, y, colour, text="", hatch=None):
+        axes.add_patch(
+            plt.Rectangle((x0 + position * width, y), width * 0.92, 0.55, fc=colour, ec="black", lw=0.5, hatch=hatch)
+        )
+        if text:
+            axes.text(x0 + (position + 0.46) * width, y + 0.27, text, ha="center", va="center", fontsize=8)
+
+    axes.text(
+        5.0,
+        6.0,
+        "One epoch's shuffled order, dealt out round-robin (illustrative: 24 samples, 2 per batch)",
+        ha="center",
+        fontsize=10,
+    )
+    for position in range(0, 24, 4):
+        axes.text(x0 + (position + 0.46) * width, 5.25, str(position), ha="center", fontsize=8, color="#555555")
+    axes.text(0.0, 5.25, "position", fontsize=8, color="#555555")
+    axes.text(5.0, 5.55, "the number in a cell: the rank that trains that position", ha="center", fontsize=8)
+    # 2 ranks: rank r takes positions r, r + 2, ...; 2 batches of 2 each = positions 0 to 7
+    axes.text(0.0, 4.5, "2 ranks", fontsize=9, weight="bold", va="center")
+    for position in range(24):
+        trained = position < 8
+        cell(position, 4.22, RANK_COLOURS[position % 2] if trained else "#ffffff", str(position % 2))
+    axes.text(
+        x0 + 4 * width,
+        3.85,
+        "2 batches of 2 on each rank: positions 0-7 trained, then the crash",
+        ha="center",
+        fontsize=8,
+        va="top",
+    )
+    axes.text(x0 + 24 * width + 0.1, 4.5, "checkpoint:\n8 samples done", fontsize=8, va="center", color="#2a6f2a")
+    # 4 ranks, resumed from 8 samples: the rest dealt out over 4 ranks
+    axes.text(0.0, 2.75, "4 ranks,\nresumed", fontsize=9, weight="bold", va="center")
+    for position in range(24):
+        if position < 8:
+            cell(position, 2.47, "#eeeeee", hatch="//")
+        else:
+            cell(position, 2.47, RANK_COLOURS[(position - 8) % 4], str((position - 8) % 4))
+    axes.text(
+        x0 + 16 * width,
+        2.1,
+        "the other 16 positions, dealt out over 4 ranks: each sample once",
+        ha="center",
+        fontsize=8,
+        va="top",
+    )
+    # what a count of per-rank batches would have skipped
+    axes.text(0.0, 1.0, "skip 2 batches\nper rank", fontsize=9, weight="bold", va="center", color="#b03030")
+    for position in range(24):
+        if position < 16:
+            cell(position, 0.72, "#f4c7c7" if position >= 8 else "#eeeeee", hatch="//")
+        else:
+            cell(position, 0.72, RANK_COLOURS[(position - 16) % 4], str((position - 16) % 4))
+    axes.text(
+        x0 + 12 * width,
+        0.35,
+        "at 4 ranks, 2 batches per rank are 16 positions: 8-15 would never be trained",
+        ha="center",
+        fontsize=8,
+        va="top",
+        color="#b03030",
+    )
     save(fig, path)
 
 
@@ -275,6 +360,7 @@ FIGURES = {
     "07_restart_loop": (restart_loop, None),
     "07_checkpoint_commit": (checkpoint_commit, None),
     "07_crash_resume_timeline": (crash_resume_timeline, None),
+    "07_resize_resume_order": (resize_resume_order, None),
     "07_emulated_cluster": (emulated_cluster, None),
     "07_slow_link_bus_bandwidth": (slow_link_bus_bandwidth, CLUSTER_RESULTS),
 }
