@@ -147,9 +147,10 @@ for node in (0, 1):
 #
 # ## Crash and resume
 #
-# Now the last rank raises an error at step `FAIL_AT`, on the first attempt only. With `--max-restarts 1`,
-# torchrun stops every worker on both nodes and runs the rendezvous again. Then it starts all workers anew. They
-# load the newest valid checkpoint and go on.
+# Now the last rank raises an error on reaching step `FAIL_AT`, before computing it, on the first attempt only.
+# With `--max-restarts 1`, torchrun stops every worker on both nodes and runs the rendezvous again. Then it starts
+# all workers anew. They load the newest valid checkpoint and go on. With `FAIL_AT` 14 and a checkpoint at step 12,
+# they take step 13 again, and then step 14 for the first time. The resume line counts epochs from 0.
 #
 # ![The drill: a crash at step 14, a resume from step 12](../lessons/figures/07_crash_resume_timeline.png)
 
@@ -176,8 +177,9 @@ print(f"parameters bit-identical (torch.equal on every tensor): {identical}")
 # %% [markdown]
 # ## Without restarts: the failure ends everything, promptly
 #
-# A failure again, now at step 3 and with `--max-restarts 0`. torchrun's summary names the failing rank. Every
-# process on both nodes ends by itself, because gloo tells the others that their peer closed the connection.
+# A failure again, now at step 3 and with `--max-restarts 0`. torchrun's summary names the failing rank. Node 1's
+# agent stops rank 2 as soon as rank 3 fails. Node 0's workers fail by themselves, because gloo tells them that
+# their peer closed the connection. No launcher has to be killed.
 
 # %%
 if SHOW_FAILURE:
@@ -204,7 +206,9 @@ if SHOW_FAILURE:
 # ## Bandwidth between the nodes
 #
 # We run one process per "node", so that every byte of the all-reduce crosses between them. Lesson 01's benchmark
-# reports the bus bandwidth of nccl-tests, busbw = S/t x 2(N-1)/N. Here the "link" is the loopback interface.
+# prints two rates for S bytes all-reduced in t seconds over N ranks. algbw is S/t. busbw, nccl-tests' bus
+# bandwidth, is S/t x 2(N-1)/N: what each rank's link carries in a ring all-reduce. With N = 2 the two are equal.
+# Here the "link" is the loopback interface.
 
 # %%
 bandwidth = rehearse(
