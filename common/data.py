@@ -146,6 +146,48 @@ def _torchvision(name, data_dir, input_shape, download) -> DataSplits:
         ) from None
 
 
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler`` that can begin an epoch part-way, after the samples already trained, counted over all
+    ranks: ``sampler.start = samples``, after ``set_epoch`` (which sets it back to 0).
+
+    DistributedSampler deals one order of the data set out round-robin: the epoch's permutation (seed + epoch),
+    padded with its first samples so that every rank gets as many, and rank r takes positions r, r + N, r + 2N...
+    of it. So after k full batches of B samples on each of N ranks, the samples trained are exactly the first
+    k x B x N positions of that order, whatever N is. ``start`` skips those positions and deals out the rest over
+    the ranks of *this* world, which may be more or fewer than the world that trained them: a resume after an
+    elastic change of world size trains every remaining sample once and none twice (padding aside). With
+    ``start`` 0 it yields what DistributedSampler yields, and with the same world size, from ``start`` = k x B x N,
+    what DistributedSampler yields after its first k x B samples.
+    """
+
+    start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.start = 0  # a new epoch starts at its beginning
+
+    def __len__(self) -> int:
+        if not self.start:
+            return super().__len__()
+        return -(-(len(self.dataset) - self.start) // self.num_replicas)  # the rest, shared out, rounded up
+
+    def __iter__(self):
+        if not self.start:
+            return super().__iter__()
+        size = len(self.dataset)
+        if self.drop_last or not 0 <= self.start < size:
+            raise ValueError(f"start {self.start} is not a position of the epoch's {size} samples (or drop_last)")
+        if self.shuffle:  # the permutation DistributedSampler draws
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(size, generator=generator).tolist()
+        else:
+            indices = list(range(size))
+        end = self.start + len(self) * self.num_replicas
+        while len(indices) < end:  # padded as DistributedSampler pads: with the order's first samples
+            indices += indices[: end - len(indices)]
+        return iter(indices[self.start + self.rank : end : self.num_replicas])
+
+
 class TensorBatchLoader:
     """Batches of in-memory tensors, each cut with one indexing operation per tensor.
 
@@ -192,7 +234,7 @@ def make_loader(
     """
     if batch_size < 1:
         raise ConfigurationError(f"error: the batch size must be at least 1, got {batch_size}")
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed)
+    sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed)
     if isinstance(dataset, TensorDataset):
         return TensorBatchLoader(dataset, batch_size, sampler)
     # A generator of the loader's own. Each new DataLoader iterator draws its workers' base seed from
@@ -226,7 +268,13 @@ class FirstBatches:
         self.sampler = loader.sampler
 
     def __len__(self):
-        return min(len(self.loader), self.max_batches or len(self.loader))
+        start = getattr(self.sampler, "start", 0)
+        if self.max_batches is None or not start:
+            return min(len(self.loader), self.max_batches or len(self.loader))
+        # An epoch cut short covers the first max_batches x B x N positions of the sampler's order. A sampler that
+        # starts part-way (ResumableSampler.start) has fewer of them left: the batches that reach that far.
+        per_batch = self.loader.batch_size * self.sampler.num_replicas
+        return min(len(self.loader), -(-max(0, self.max_batches * per_batch - start) // per_batch))
 
     def __iter__(self):
         return islice(self.loader, len(self))

@@ -17,10 +17,13 @@
 # # Lesson 07: multi-node training, rendezvous and fault tolerance
 #
 # The companion notebook of `lessons/07_multi_node.md`. Two `torchrun` launchers on this machine play two
-# nodes: they meet through c10d rendezvous on 127.0.0.1 and run `solutions/05_multi_node.py` unchanged. We
-# check who writes the checkpoint, crash a worker on purpose and compare the resumed run with an uninterrupted
-# one bit for bit, and measure the bus bandwidth between the two "nodes". Every run goes through
-# `scripts/rehearse_two_nodes.py` as a subprocess, with a deadline.
+# nodes. They meet through c10d rendezvous on 127.0.0.1 and run `solutions/05_multi_node.py` unchanged.
+#
+# We check who writes the checkpoint. Then we crash a worker on purpose and compare the resumed run with an
+# uninterrupted one, bit for bit. Last, we measure the bus bandwidth between the two "nodes". Every run goes
+# through `scripts/rehearse_two_nodes.py` as a subprocess, with a deadline.
+#
+# ![Two nodes of two processes, with RANK, LOCAL_RANK, GROUP_RANK](../lessons/figures/07_two_node_ranks.png)
 
 # %%
 import datetime
@@ -113,9 +116,9 @@ def show(
 # %% [markdown]
 # ## Two nodes, one world
 #
-# Each launcher is started as it would be on its own machine: `--nnodes 2`, the same `--rdzv-endpoint` and
-# `--rdzv-id`. Each "node" gets a checkpoint folder of its own (`{node}` becomes the launcher's number), as if
-# their disks were separate, so we can see who writes.
+# Each launcher is started as it would be on its own machine. Both get `--nnodes 2` and the same
+# `--rdzv-endpoint` and `--rdzv-id`. Each "node" gets a checkpoint folder of its own, as if their disks were
+# separate, so that we can see who writes. `{node}` in an argument becomes the launcher's number.
 
 # %%
 start = time.perf_counter()
@@ -124,10 +127,12 @@ show(reference)
 print(f"wall time of the two-node rehearsal, launch to exit: {time.perf_counter() - start:.1f} s")
 
 # %% [markdown]
-# The rank map shows the global ranks, the node rank (`GROUP_RANK`) and the local rank. With c10d the node
-# ranks go to the nodes sorted by (address, launcher process ID): neither `--node-rank` nor the order in which the
-# launchers joined decides. Both launchers here have the same address, so the one with the lower process ID is
-# node 0; on a cluster, the node whose host name sorts first.
+# The rank map shows each global rank with its node rank, `GROUP_RANK`, and its local rank. With c10d, the node
+# ranks go to the nodes sorted by address, then by the launcher's process ID. Neither `--node-rank` nor the order
+# in which the launchers joined decides it. Both launchers here have the same address, so the one with the lower
+# process ID is node 0. On a cluster, it is the node whose host name sorts first.
+#
+# ![The c10d rendezvous: sorted triples give the node ranks](../lessons/figures/07_c10d_rendezvous.png)
 #
 # ## Global rank 0 alone writes
 
@@ -137,14 +142,17 @@ for node in (0, 1):
     print(f"launcher {node}'s disk:", sorted(path.name for path in folder.iterdir()) if folder.exists() else "nothing")
 
 # %% [markdown]
-# One disk holds the checkpoints: that of the node where global rank 0 runs. A "local rank 0" rule would have
-# written on both, and on shared storage the two writers would race for the same file names.
+# One disk holds the checkpoints: the disk of the node where global rank 0 runs. A "local rank 0" rule would
+# have written on both. On shared storage, the two writers would then race for the same file names.
 #
 # ## Crash and resume
 #
-# Now the last rank raises an error at step `FAIL_AT` on the first attempt. With `--max-restarts 1` torchrun
-# stops every worker, on both nodes, re-runs the rendezvous and starts them all again; they load the newest
-# valid checkpoint and go on.
+# Now the last rank raises an error on reaching step `FAIL_AT`, before computing it, on the first attempt only.
+# With `--max-restarts 1`, torchrun stops every worker on both nodes and runs the rendezvous again. Then it starts
+# all workers anew. They load the newest valid checkpoint and go on. With `FAIL_AT` 14 and a checkpoint at step 12,
+# they take step 13 again, and then step 14 for the first time. The resume line counts epochs from 0.
+#
+# ![The drill: a crash at step 14, a resume from step 12](../lessons/figures/07_crash_resume_timeline.png)
 
 # %%
 drill = rehearse(
@@ -169,8 +177,9 @@ print(f"parameters bit-identical (torch.equal on every tensor): {identical}")
 # %% [markdown]
 # ## Without restarts: the failure ends everything, promptly
 #
-# A failure again, now at step 3 and with `--max-restarts 0`: the failing rank is named in torchrun's summary, and every
-# process on both nodes ends by itself, since gloo tells the others that their peer closed the connection.
+# A failure again, now at step 3 and with `--max-restarts 0`. torchrun's summary names the failing rank. Node 1's
+# agent stops rank 2 as soon as rank 3 fails. Node 0's workers fail by themselves, because gloo tells them that
+# their peer closed the connection. No launcher has to be killed.
 
 # %%
 if SHOW_FAILURE:
@@ -196,8 +205,10 @@ if SHOW_FAILURE:
 # %% [markdown]
 # ## Bandwidth between the nodes
 #
-# One process per "node", so that every byte of the allreduce crosses between them; lesson 01's benchmark
-# reports nccl-tests' bus bandwidth, busbw = S/t x 2(N-1)/N. Here the "link" is the loopback interface.
+# We run one process per "node", so that every byte of the all-reduce crosses between them. Lesson 01's benchmark
+# prints two rates for S bytes all-reduced in t seconds over N ranks. algbw is S/t. busbw, nccl-tests' bus
+# bandwidth, is S/t x 2(N-1)/N: what each rank's link carries in a ring all-reduce. With N = 2 the two are equal.
+# Here the "link" is the loopback interface.
 
 # %%
 bandwidth = rehearse(
@@ -215,9 +226,9 @@ show(bandwidth, keep=("size", "dist.all_reduce", "rehearsal:"))
 # %% [markdown]
 # ## A rendezvous port in use
 #
-# The rehearsal checks the port before it starts anything, and torchrun with `--rdzv-conf is_host=1` fails at
-# once with EADDRINUSE. Without `is_host` a torchrun whose endpoint is held by another program connects to it
-# as a client and waits: the hang that leads people to `pkill -9 python`.
+# The rehearsal checks the port before it starts anything. torchrun with `--rdzv-conf is_host=1` fails at once
+# with EADDRINUSE. Without `is_host`, a torchrun whose endpoint another program holds connects to it as a client
+# and waits. That is the hang that leads people to `pkill -9 python`.
 
 # %%
 import socket  # noqa: E402

@@ -1,9 +1,11 @@
 """Lab 05 (lesson 07): one training script for one node or many, that survives a crash and resumes bit-exactly.
 
 Global rank 0 writes a checkpoint every ``--checkpoint-every`` optimizer steps: model, optimizer, scheduler,
-epoch, step, position in the epoch's shuffled order, every rank's RNG state and the metrics so far. When a
-worker dies, ``torchrun --max-restarts`` restarts every worker; they find the newest valid checkpoint and
-continue from it, and end with the parameters an uninterrupted run would have, bit for bit.
+epoch, step, position in the epoch's shuffled order (samples, over all ranks), every rank's RNG state and the
+metrics so far. When a worker dies, ``torchrun --max-restarts`` restarts every worker; they find the newest
+valid checkpoint and continue from it, and end with the parameters an uninterrupted run would have, bit for
+bit. A restart with another world size (``--nnodes MIN:MAX``) goes on with the samples of the epoch not yet
+trained, and the learning rate still decays once per epoch.
 
     # one machine, 2 processes (CPU, gloo)
     torchrun --standalone --nproc-per-node 2 solutions/05_multi_node.py --dataset digits \
@@ -23,8 +25,6 @@ continue from it, and end with the parameters an uninterrupted run would have, b
         solutions/05_multi_node.py --dataset digits --checkpoint-dir checkpoints/drill --checkpoint-every 10 \
         --fail-at-step 30
 """
-
-from itertools import islice
 
 import torch
 import torch.distributed as dist
@@ -73,17 +73,22 @@ def train(args, env):
     net = DDP(model, device_ids=env.device_ids, find_unused_parameters=True)
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=len(train_iter), gamma=0.8)  # per epoch
+    # Stepped once per epoch, not per batch: a step_size in batches would be the batches per epoch of one world
+    # size, and a run resumed at another world size would decay at the wrong times.
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
 
     history = TrainingHistory(env, args.epochs)
-    start_epoch, step, batch_in_epoch, history.rows = resume(args.checkpoint_dir, env, net, optimizer, scheduler)
+    start_epoch, step, samples_in_epoch, history.rows = resume(args, env, net, optimizer, scheduler)
+    per_step = args.batch_size * env.world_size  # positions of the epoch's order that one step trains, all ranks
     for epoch in range(start_epoch, args.epochs):
         train_iter.sampler.set_epoch(epoch)  # the epoch's permutation, the same as before the crash
+        # Skip the samples that the checkpoint already holds: the sampler position, counted over all ranks, so that
+        # it means the same at another world size (common.data.ResumableSampler).
+        train_iter.sampler.start = samples_in_epoch
         history.start_epoch()
         net.train()
         loss_sum, samples = torch.zeros((), device=env.device), 0
-        # Skip the batches that the checkpoint already holds: the sampler position.
-        for i, (X, y) in enumerate(islice(train_iter, batch_in_epoch, None), start=batch_in_epoch):
+        for i, (X, y) in enumerate(train_iter):
             step += 1
             if step == args.fail_at_step and attempt == 0 and env.rank == env.world_size - 1:
                 raise RuntimeError(f"--fail-at-step {step}: rank {env.rank} fails on purpose (attempt {attempt})")
@@ -92,12 +97,12 @@ def train(args, env):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            scheduler.step()
             loss_sum += loss.detach() * len(y)
             samples += len(y)
             if args.checkpoint_dir and step % args.checkpoint_every == 0 and i + 1 < len(train_iter):
-                save(args, step, epoch, i + 1, net, optimizer, scheduler, history.rows)
-        batch_in_epoch = 0
+                save(args, step, epoch, samples_in_epoch + (i + 1) * per_step, net, optimizer, scheduler, history.rows)
+        samples_in_epoch = 0
+        scheduler.step()  # the learning rate decays once per epoch, whatever the world size
         history.end_epoch(epoch + 1, net, loss_sum, samples, test_iter, step=step, attempt=attempt)
         if args.checkpoint_dir and (step % args.checkpoint_every == 0 or epoch + 1 == args.epochs):
             save(args, step, epoch + 1, 0, net, optimizer, scheduler, history.rows)  # the epoch's figures too
@@ -105,28 +110,29 @@ def train(args, env):
     finish_run(net, history, args, **run, nodes=len({node for node, _, _ in where}))
 
 
-def save(args, step, epoch, batch_in_epoch, net, optimizer, scheduler, history):
+def save(args, step, epoch, samples_in_epoch, net, optimizer, scheduler, history):
     """Call on every rank: all of them hand in their RNG state, global rank 0 alone writes, all wait for it."""
     # BEGIN LAB: write the checkpoint from global rank 0
     # All ranks gather the RNG states (a collective); rank 0 alone writes model, optimizer, scheduler, epoch, step,
-    # batch_in_epoch, rng and history (write_verified, step_checkpoint_file), then prunes; all meet at a barrier.
+    # samples_in_epoch, rng and history (write_verified, step_checkpoint_file), then prunes; all meet at a barrier.
     rng = gather_rng_states()  # a collective, so it runs on every rank, never inside `if is_main()`
     if is_main():  # global rank 0, not local rank 0: that would be one writer per node, racing on shared storage
         state = dict(model=unwrap(net).state_dict(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict())
-        state.update(epoch=epoch, step=step, batch_in_epoch=batch_in_epoch, rng=rng, history=history)  # the progress
+        state.update(epoch=epoch, step=step, samples_in_epoch=samples_in_epoch, rng=rng, history=history)  # progress
         write_verified(step_checkpoint_file(args.checkpoint_dir, step), state)
         prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     dist.barrier()  # nobody runs ahead (and could crash) before the checkpoint is on disk
     # END LAB
 
 
-def resume(folder, env, net, optimizer, scheduler):
-    """Load the newest valid checkpoint in ``folder`` on every rank, the one that global rank 0 picked; return
-    (epoch, step, batch in epoch, history), or (0, 0, 0, []) without one."""
+def resume(args, env, net, optimizer, scheduler):
+    """Load the newest valid checkpoint in ``args.checkpoint_dir`` on every rank, the one that global rank 0 picked;
+    return (epoch, step, samples of the epoch already trained, history), or (0, 0, 0, []) without one."""
     # BEGIN LAB: load the newest valid checkpoint on every rank
     # Rank 0 picks newest_valid_checkpoint(folder, log=print0) and broadcasts its path (broadcast_object_list);
     # every rank reads it (read_verified), loads model, optimizer, scheduler and its own RNG state (another world
     # size: set_seed(step, rank)) and prints "resumed from PATH: epoch E, step S, batch B of the epoch" on rank 0.
+    folder = args.checkpoint_dir
     choice = [str(newest_valid_checkpoint(folder, log=print0) or "") if folder and is_main() else ""]
     dist.broadcast_object_list(choice, src=0)
     if not choice[0]:
@@ -135,14 +141,16 @@ def resume(folder, env, net, optimizer, scheduler):
     unwrap(net).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    epoch, step, done = state["epoch"], state["step"], state["samples_in_epoch"]
     if len(state["rng"]) == env.world_size:
         set_rng_state(state["rng"][env.rank])
+        position = f"batch {done // (args.batch_size * env.world_size)} of the epoch"
     else:  # an elastic restart with a different world size: the old per-rank streams do not map onto ranks
         set_seed(state["step"], env.rank)
-        print0(f"world size {len(state['rng'])} -> {env.world_size}: RNG reseeded, data order re-sharded")
-    epoch, step, batch_in_epoch = state["epoch"], state["step"], state["batch_in_epoch"]
-    print0(f"resumed from {choice[0]}: epoch {epoch}, step {step}, batch {batch_in_epoch} of the epoch")
-    return epoch, step, batch_in_epoch, state["history"]
+        print0(f"world size {len(state['rng'])} -> {env.world_size}: RNG reseeded, the rest of the epoch re-sharded")
+        position = f"{done} samples of the epoch already trained"
+    print0(f"resumed from {choice[0]}: epoch {epoch}, step {step}, {position}")
+    return epoch, step, done, state["history"]
     # END LAB
 
 

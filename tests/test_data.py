@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from common.data import TensorBatchLoader, _read_digits, _torchvision, load_data, make_loader
+from common.data import FirstBatches, TensorBatchLoader, _read_digits, _torchvision, load_data, make_loader
 from common.distributed import ConfigurationError
 from tests.conftest import NO_NETWORK, PYTHON, run_command
 from tests.fake_datasets import write_idx
@@ -143,6 +143,46 @@ def test_tensor_batches_equal_those_of_a_dataloader_on_the_same_sampler():
         slow.sampler.set_epoch(epoch)
         pairs = list(zip(fast, slow, strict=True))
         assert all(torch.equal(a, b) for fast_batch, slow_batch in pairs for a, b in zip(fast_batch, slow_batch))
+
+
+def samples_of(loader, start=0):
+    """The samples one rank's loader yields in epoch 1, its sampler started after ``start`` samples."""
+    loader.sampler.set_epoch(1)
+    loader.sampler.start = start
+    return torch.cat([X for (X,) in loader]).tolist() if len(loader) else []
+
+
+@pytest.mark.parametrize("old_world", [1, 2, 3, 4])
+@pytest.mark.parametrize("new_world", [1, 2, 3, 4])
+def test_a_sampler_started_part_way_deals_out_exactly_the_samples_not_yet_trained_at_any_world_size(
+    old_world, new_world
+):
+    # 50 samples, 4 per batch: k full batches on each of old_world ranks, then a resume on new_world ranks.
+    dataset = TensorDataset(torch.arange(50))
+    for batches in (1, 2, 3):
+        start = batches * 4 * old_world
+        if start >= 50:
+            continue
+        old = [make_loader(dataset, 4, rank, old_world, train=True, seed=5) for rank in range(old_world)]
+        trained = [sample for loader in old for sample in samples_of(loader)[: batches * 4]]
+        new = [make_loader(dataset, 4, rank, new_world, train=True, seed=5) for rank in range(new_world)]
+        rest = [samples_of(loader, start) for loader in new]
+        assert len({len(shard) for shard in rest}) == 1  # every rank takes as many steps: no rank waits alone
+        flat = [sample for shard in rest for sample in shard]
+        assert len(set(trained)) == len(trained) == start
+        assert set(flat) >= set(range(50)) - set(trained)  # every sample not yet trained comes...
+        assert len(flat) - (50 - start) < new_world  # ...once, and only the padding of the last step repeats
+        if new_world == old_world:  # the same world: the rest of each rank's own shard, as an uninterrupted run
+            assert rest == [samples_of(loader)[batches * 4 :] for loader in old]
+
+
+def test_an_epoch_cut_short_counts_the_samples_its_sampler_skips():
+    dataset = TensorDataset(torch.arange(100))
+    loader = FirstBatches(make_loader(dataset, 4, 0, 2, train=True, seed=5), 5)  # 5 batches x 4 x 2 ranks = 40
+    assert len(loader) == 5
+    for start, left in ((8, 4), (16, 3), (36, 1), (40, 0), (48, 0)):
+        loader.sampler.start = start
+        assert len(loader) == left and len(list(loader)) == left, start
 
 
 class Squares(Dataset):

@@ -19,7 +19,7 @@ from tests.fake_datasets import write_fashion_mnist
 LAB = "05_multi_node"
 # What these tests need from the script: its command line only, run by torchrun and by the two-node rehearsal.
 REHEARSE = REPO / "scripts" / "rehearse_two_nodes.py"
-# 4 ranks x 32 per batch: 12 steps per epoch of digits, 24 in all; checkpoints at 4, 8, 12 (epoch end), ...
+# 4 ranks x 32 per batch: 12 steps per epoch of the 1438 digits, 24 in all; checkpoints at 4, 8, 12 (epoch end), ...
 TRAINING = ["--dataset", "digits", "--epochs", "2", "--batch-size", "32", "--checkpoint-every", "4"]
 FAIL_AT = 14  # in epoch 2, two steps after the checkpoint at step 12
 
@@ -198,3 +198,26 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(tmp_path):
     assert "skipping checkpoint step_00000006.pt" in resumed.stdout
     assert "resumed from" in resumed.stdout and "step_00000004.pt: epoch 1, step 4, batch 1" in resumed.stdout
     assert final_model(tmp_path)[0] == 9
+
+
+def test_a_mid_epoch_resume_at_another_world_size_skips_exactly_the_samples_trained_and_decays_once_per_epoch(
+    tmp_path,
+):
+    # A world of one trains 8 steps of 32 digits (256 of the 1438 samples of epoch 1), checkpoints at step 8 and
+    # fails at step 10. Two processes then resume from step 8, as after an elastic restart with a second node.
+    # They must train the other 1182 samples of epoch 1, not skip 8 of their own batches (512 samples), and the
+    # learning rate must decay once per epoch: StepLR's step_size may not be the batches per epoch of one rank.
+    args = [*TRAINING, "--checkpoint-dir", tmp_path / "ckpt", "--metrics-file", tmp_path / "metrics.json"]
+    first = run_command([PYTHON, lab_path(LAB), *args, "--fail-at-step", "10"], timeout=120)
+    assert first.returncode != 0 and "--fail-at-step 10: rank 0 fails on purpose" in first.output, first.output
+    resumed = run_command([TORCHRUN, "--standalone", "--nproc-per-node", "2", lab_path(LAB), *args], timeout=120)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    assert "world size 1 -> 2" in resumed.stdout
+    assert "step_00000008.pt: epoch 0, step 8, 256 samples of the epoch already trained" in resumed.stdout
+    history = json.loads((tmp_path / "metrics.json").read_text())["history"]
+    assert [row["samples"] for row in history] == [1438 - 256, 1438]  # 2 x 591 samples, then 2 x 719
+    newest, before = (read_verified(path) for path in list_checkpoints(tmp_path / "ckpt"))
+    assert newest["step"] == 8 + 19 + 23  # 591 samples per rank in 19 batches of 32, then 23 batches of 719
+    for state, epochs_done in ((newest, 2), (before, 1)):  # the end of epoch 2, and a step in the middle of it
+        (group,) = state["optimizer"]["param_groups"]
+        assert group["lr"] == pytest.approx(group["initial_lr"] * 0.8**epochs_done, rel=1e-12), state["step"]
