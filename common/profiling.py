@@ -21,6 +21,8 @@ Every step is cut into four labelled regions, ``REGIONS``, each inside ``torch.p
   nothing hid (exposed), and the computation's busy time. ``bottleneck`` names the largest of data loading,
   exposed communication, compute and overhead (the rest: idle gaps, launches).
 - ``hta_breakdown``: Holistic Trace Analysis' view of GPU traces (HTA reads no CPU-only trace).
+- ``training_flops``, ``profiled_flops`` and ``model_flops_utilization``: how much arithmetic a step does, by the
+  6 x parameters x tokens estimate or by the profiler's count, and what share of the device's peak that is (MFU).
 """
 
 import gzip
@@ -315,6 +317,35 @@ def hta_breakdown(trace_dir) -> dict:
         int(rank): {key: float(value) for key, value in {**temporal.loc[rank], **overlap.loc[rank]}.items()}
         for rank in temporal.index
     }
+
+
+def training_flops(parameters: int, tokens: int) -> int:
+    """The usual estimate of the floating-point operations of one training step: 6 x parameters x tokens.
+
+    Forward multiplies every weight by every input once and adds the product: 2 operations per parameter and token
+    (a sample is one token for a model that reads no sequence). Backward does it twice: once for the gradient of
+    the input, once for the gradient of the weight, 4 more (Kaplan et al. 2020, "Scaling laws for neural language
+    models", section 2.1). It counts the matrix products only; the first layer's input needs no gradient, so a
+    profiler's count comes out slightly lower (tests/test_profiling.py shows by how much).
+    """
+    return 6 * parameters * tokens
+
+
+def profiled_flops(profiler: profile) -> int:
+    """The floating-point operations the profiler counted over the steps it recorded: the sum of ``flops`` over
+    ``key_averages()``. Needs ``profile(..., with_flops=True)``. PyTorch counts the operations it has a formula for
+    (matrix products and convolutions among them) and nothing for the rest: read it as the matrix work."""
+    return sum(event.flops for event in profiler.key_averages())
+
+
+def model_flops_utilization(flops_per_step: float, step_seconds: float, peak_flops_per_second: float) -> float:
+    """Model FLOPs utilisation (MFU, as Chowdhery et al. 2022, "PaLM", define it): the achieved rate, flops per step
+    over seconds per step, as a share of the device's peak rate for the precision used (the vendor's data sheet:
+    dense, not the sparse figure). 0.4 means 40% of the peak. Throughput and MFU rise together; a GPU that NVML
+    reports 100% busy can still be at a few percent MFU."""
+    if step_seconds <= 0 or peak_flops_per_second <= 0:
+        raise ValueError(f"step_seconds ({step_seconds}) and the peak ({peak_flops_per_second}) must be positive")
+    return flops_per_step / step_seconds / peak_flops_per_second
 
 
 def key_averages_table(profiler: profile, device, rows: int = 12) -> str:

@@ -23,8 +23,11 @@ from common.profiling import (
     key_averages_table,
     load_trace,
     mean_breakdown,
+    model_flops_utilization,
     plot_breakdown,
+    profiled_flops,
     step_breakdowns,
+    training_flops,
     training_profiler,
 )
 
@@ -347,6 +350,44 @@ def test_bottleneck_names_overhead_when_idle_gaps_take_more_than_the_computation
     assert bottleneck({**step, "compute_ms": 5.0}) == "compute"  # busy 5 ms, idle 3
     assert bottleneck(step) == "compute"  # a wall clock only: it cannot tell the two apart
     assert bottleneck({**step, "compute_ms": 9.0}) == "compute"  # more busy time than the rest: capped, not negative
+
+
+def test_bottleneck_counts_only_the_exposed_communication_not_all_of_it():
+    """A 10 ms step whose all-reduces ran for 6 ms, 5 of them under backward's computation: 1 ms exposed. What the
+    step pays for communication is that 1 ms, so the step is compute-bound. Counting all 6 ms, as a "communication
+    is 60% of the step" rule does, would call it communication-bound."""
+    step = {"step_ms": 10.0, "data_ms": 1.0, "communication_ms": 6.0, "exposed_communication_ms": 1.0}
+    assert bottleneck({**step, "compute_ms": 7.0}) == "compute"
+    assert bottleneck({**step, "exposed_communication_ms": 6.0, "compute_ms": 3.0}) == "communication"
+
+
+def test_the_profilers_flop_count_is_six_times_parameters_times_samples_less_the_first_layers_input_gradient():
+    """A bias-free MLP, one forward and backward of 32 samples: the profiler counts 2 flops per weight and sample
+    forward, 4 backward, except the first layer's input gradient, which nobody asked for (2 per first-layer weight
+    and sample). Forward alone is the 2 x parameters x samples of the estimate, exactly."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 256, bias=False), nn.ReLU(), nn.Linear(256, 256, bias=False), nn.ReLU()]
+    net = nn.Sequential(*layers, nn.Linear(256, 10, bias=False))
+    parameters, first, samples = sum(p.numel() for p in net.parameters()), 64 * 256, 32
+    X = torch.randn(samples, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as step:
+        F.cross_entropy(net(X), torch.zeros(samples, dtype=torch.long)).backward()
+    assert profiled_flops(step) == training_flops(parameters, samples) - 2 * first * samples
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as forward:
+        with torch.no_grad():
+            net(X)
+    assert profiled_flops(forward) == 2 * parameters * samples
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as uncounted:
+        net(X)
+    assert profiled_flops(uncounted) == 0  # without with_flops=True the profiler counts nothing
+
+
+def test_mfu_is_the_achieved_rate_over_the_peak():
+    # 1e12 flops per step in 10 ms is 1e14 flop/s; against a peak of 4e14 flop/s that is a quarter.
+    assert model_flops_utilization(1e12, 0.010, 4e14) == pytest.approx(0.25)
+    assert training_flops(parameters=5, tokens=2) == 60
+    with pytest.raises(ValueError, match="must be positive"):
+        model_flops_utilization(1e12, 0.0, 4e14)
 
 
 def test_plot_breakdown_writes_a_png(runs, tmp_path):
