@@ -322,19 +322,24 @@ def hta_breakdown(trace_dir) -> dict:
 def training_flops(parameters: int, tokens: int) -> int:
     """The usual estimate of the floating-point operations of one training step: 6 x parameters x tokens.
 
-    Forward multiplies every weight by every input once and adds the product: 2 operations per parameter and token
-    (a sample is one token for a model that reads no sequence). Backward does it twice: once for the gradient of
-    the input, once for the gradient of the weight, 4 more (Kaplan et al. 2020, "Scaling laws for neural language
-    models", section 2.1). It counts the matrix products only; the first layer's input needs no gradient, so a
-    profiler's count comes out slightly lower (tests/test_profiling.py shows by how much).
+    Forward multiplies every weight by every input once and adds the product: 2 operations per parameter and token.
+    Backward does it twice: once for the gradient of the input, once for the gradient of the weight, 4 more (Kaplan
+    et al. 2020, "Scaling laws for neural language models", section 2.1). It counts the matrix products of dense
+    (Linear) layers only, each weight used once per token: for an MLP a sample is one token. It does not hold for
+    a convolution, which uses each weight once per output position: count 2 x weights x output positions per
+    sample for its forward, and 3 times that for a step. Attention's own products (scores, weighted values) are
+    left out too. The first layer's input needs no gradient, so a profiler's count of an MLP comes out slightly
+    lower (tests/test_profiling.py shows by how much).
     """
     return 6 * parameters * tokens
 
 
 def profiled_flops(profiler: profile) -> int:
     """The floating-point operations the profiler counted over the steps it recorded: the sum of ``flops`` over
-    ``key_averages()``. Needs ``profile(..., with_flops=True)``. PyTorch counts the operations it has a formula for
-    (matrix products and convolutions among them) and nothing for the rest: read it as the matrix work."""
+    ``key_averages()``. Needs ``profile(..., with_flops=True)``. PyTorch 2.14.1 has a formula for aten::mm, addmm,
+    bmm and baddbmm, for aten::conv2d's forward, and for aten::mul and aten::add (one per element); every other op
+    counts zero, convolution backward among them. So on a CNN this misses the backward's convolutions: take the
+    forward's count times 3 for a step instead."""
     return sum(event.flops for event in profiler.key_averages())
 
 
@@ -358,8 +363,8 @@ def key_averages_table(profiler: profile, device, rows: int = 12) -> str:
 
 def plot_breakdown(rows_by_label: dict, path, title: str = "Mean time per training step, by region") -> None:
     """A stacked horizontal bar per label (a rank, a setting) of ``data``, ``forward``, ``backward``, ``optimizer``
-    and ``other`` ms, to the PNG ``path``. Exposed communication, when measured, is hatched over the end of the
-    backward bar: DDP waits for its last buckets at the end of backward."""
+    and ``other`` ms, to the PNG ``path``. Exposed communication, when measured, is hatched at the end of the backward
+    bar: its length is measured, its place is only a convention (in a real step it can fall anywhere in backward)."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(8, 1.2 + 0.5 * len(rows_by_label)), layout="constrained")

@@ -3,6 +3,7 @@ traces (CPU and GPU style) whose intervals are worked out by hand; the settings 
 
 import gzip
 import json
+import re
 
 import pytest
 import torch
@@ -134,11 +135,30 @@ def test_the_traces_step_time_matches_the_wall_clock_of_the_same_steps(runs):
         assert traced["backward_ms"] == pytest.approx(wall["backward_ms"], rel=0.05, abs=0.2)
 
 
+def self_cpu_column_us(table: str) -> list[float]:
+    """The "Self CPU" column of a ``key_averages().table()``, row by row, in microseconds."""
+    lines = table.splitlines()
+    header = [line for line in lines if "Self CPU %" in line][0]
+    column = [name.strip() for name in re.split(r"\s{2,}", header.strip())].index("Self CPU")
+    units = {"us": 1.0, "ms": 1e3, "s": 1e6}
+    times = []
+    for line in lines[lines.index(header) + 2 :]:
+        if line.startswith("-"):
+            break
+        value = re.split(r"\s{2,}", line.strip())[column]
+        number, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", value).groups()
+        times.append(float(number) * units[unit])
+    return times
+
+
 @pytest.mark.timeout(120)
 def test_key_averages_table_sorts_by_self_cpu_time_on_a_cpu(runs):
     table = runs[0]["table"]
-    assert "Self CPU" in table and "aten::" in table
+    assert "aten::" in table
     assert "c10d::allreduce_" in table or "aten::addmm" in table
+    times = self_cpu_column_us(table)
+    assert len(times) >= 5
+    assert times == sorted(times, reverse=True), "the ops table is sorted by self CPU time, the costliest first"
 
 
 @pytest.mark.timeout(120)
@@ -361,6 +381,26 @@ def test_bottleneck_counts_only_the_exposed_communication_not_all_of_it():
     assert bottleneck({**step, "exposed_communication_ms": 6.0, "compute_ms": 3.0}) == "communication"
 
 
+def test_trace_bottleneck_splits_each_committed_trace_into_four_parts_that_add_up_to_its_step():
+    """scripts/trace_bottleneck.py on the lesson's committed 2-rank trace: per rank, data + exposed communication +
+    compute + overhead is the step, overhead is never negative, and the verdict is the largest part's."""
+    from tests.conftest import REPO, load_script
+
+    script = load_script(REPO / "scripts" / "trace_bottleneck.py")
+    names = {"data loading": 1, "communication": 2, "compute": 3, "overhead": 4}
+    for rank in (0, 1):
+        path = REPO / "results" / "cpu-amd-epyc-2core" / "traces_mlp_1mib" / f"rank{rank}.json"
+        fields = [
+            field.strip()
+            for field in script.parts_row(path.stem, mean_breakdown(step_breakdowns(load_trace(path)))).split("|")
+        ]
+        step, *parts = map(float, fields[1:6])
+        assert sum(parts) == pytest.approx(step, abs=0.02) and parts[3] >= 0
+        assert names[fields[6]] == 1 + parts.index(max(parts))
+    row = {"step_ms": 10.0, "data_ms": 1.0, "exposed_communication_ms": 1.0, "compute_ms": 2.0}
+    assert script.parts_row("hand", row).split("|")[-2:] == ["                   6.00 ", " overhead"]
+
+
 def test_the_profilers_flop_count_is_six_times_parameters_times_samples_less_the_first_layers_input_gradient():
     """A bias-free MLP, one forward and backward of 32 samples: the profiler counts 2 flops per weight and sample
     forward, 4 backward, except the first layer's input gradient, which nobody asked for (2 per first-layer weight
@@ -380,6 +420,23 @@ def test_the_profilers_flop_count_is_six_times_parameters_times_samples_less_the
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as uncounted:
         net(X)
     assert profiled_flops(uncounted) == 0  # without with_flops=True the profiler counts nothing
+
+
+def test_the_profiler_counts_a_convolutions_forward_but_not_its_backward():
+    """A bias-free Conv2d, forward and backward: with_flops counts aten::conv2d's forward, 2 x weights x output
+    positions per sample, and nothing for aten::convolution_backward. So the profiler's count of a CNN's step misses
+    two thirds of its convolutions, and 6 x parameters x samples, which uses each weight once per sample, is far
+    lower still."""
+    conv = nn.Conv2d(3, 8, kernel_size=3, bias=False)
+    X = torch.randn(2, 3, 16, 16, requires_grad=True)
+    positions, samples = 14 * 14, 2  # a 3x3 kernel over 16x16, no padding
+    forward = 2 * conv.weight.numel() * positions * samples
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as step:
+        conv(X).sum().backward()
+    counted = {event.key: event.flops for event in step.key_averages() if event.flops}
+    assert counted == {"aten::conv2d": forward}, "the backward's two convolutions count zero"
+    assert profiled_flops(step) == forward
+    assert training_flops(conv.weight.numel(), samples) < forward / 10  # the 6PT estimate: each weight used once
 
 
 def test_mfu_is_the_achieved_rate_over_the_peak():
