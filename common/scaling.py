@@ -3,9 +3,9 @@
 - ``time_all_reduce``: ``dist.all_reduce`` timed at several sizes, as the slowest rank saw it;
   ``time_bucket_all_reduces``: one backward's worth of all-reduces (one per DDP bucket), back to back.
 - ``fit_alpha_beta``: the latency-bandwidth (alpha-beta) model t(n) = alpha + beta * n fitted to such times;
-  ``fit_residuals``: how far each measured time lies from the fitted line; ``bus_bandwidth_gb_s``: the fit's
-  algorithm bandwidth 1/beta as a bus bandwidth; ``predict_communication_seconds``: what the model predicts for a
-  step's buckets.
+  ``fit_residuals``: how far each measured time lies from the fitted line; ``bus_bandwidth_gb_s``: an
+  algorithm bandwidth as a bus bandwidth (given the fit's 1/beta, the one that large messages approach);
+  ``predict_communication_seconds``: what the model predicts for a step's buckets.
 - ``bucket_bytes``: the sizes of DDP's gradient buckets for a model (lesson 08's rule, ``assign_buckets``).
 - ``scaling_efficiency`` and ``plot_scaling``: speed-up and efficiency from throughputs at several process counts,
   for strong scaling (the global batch fixed) and weak scaling (the batch per process fixed).
@@ -111,9 +111,11 @@ def fit_residuals(sizes_bytes: list[int], seconds: list[float], fit: dict) -> li
 
 
 def bus_bandwidth_gb_s(algorithm_gb_s: float, world_size: int) -> float:
-    """The bus bandwidth of an all-reduce whose algorithm bandwidth (the tensor's bytes over the time, as the fit's
-    1/beta is) is ``algorithm_gb_s`` on ``world_size`` ranks: times 2(N-1)/N, the share of the tensor that each
-    rank of a ring sends (nccl-tests' definition, lesson 01). The two are equal at 2 ranks."""
+    """The bus bandwidth of an all-reduce whose algorithm bandwidth (the tensor's bytes over the time) is
+    ``algorithm_gb_s`` on ``world_size`` ranks: times 2(N-1)/N, the share of the tensor that each rank of a ring
+    sends (nccl-tests' definition, lesson 01). The two are equal at 2 ranks. Given the fit's 1/beta, it is the bus
+    bandwidth that large messages approach, once alpha is negligible: one message's bytes over its whole time,
+    alpha included, is lower."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, not {world_size}")
     return algorithm_gb_s * 2 * (world_size - 1) / world_size
