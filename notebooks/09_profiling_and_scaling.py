@@ -24,8 +24,9 @@
 # - strong and weak scaling, with a latency-bandwidth model of the all-reduce
 # - the TensorBoard scalars of a run
 #
-# Every figure here is measured on the machine that ran the notebook. The committed outputs come from 2 CPU cores
-# with gloo, and other jobs shared them. The first cell prints the load average.
+# Every number printed here is measured on the machine that ran the notebook. The pictures embedded in the Markdown
+# are the lesson's, drawn from other committed runs. The committed outputs come from 2 CPU cores with gloo, and
+# other jobs shared them. The first cell prints the load average.
 
 # %%
 import datetime
@@ -102,8 +103,9 @@ start = printed.index("per profiled step")
 print(printed[start:])
 
 # %% [markdown]
-# The same figures as bars. Each bar is a region's mean time per profiled step. Exposed communication is hatched
-# over the end of backward, where DDP waits for its last buckets.
+# The same figures as bars. Each bar is a region's mean time per profiled step. Exposed communication is drawn
+# hatched at the end of the backward bar. Its length is measured, but its place is only a convention. In a real
+# step it can fall anywhere in backward, as the lesson's two-rank timeline above shows.
 
 # %%
 profile = metrics["profile"]
@@ -132,7 +134,8 @@ display(Image(WORK / "loading.png"))
 #
 # `--bucket-cap-mb` sets the cap of every bucket. Lesson 08's `assign_buckets` predicts how many buckets the
 # 1.46 M parameters make, and each bucket is one all-reduce. The trace counts the all-reduces each profiled step
-# started. The lesson sets this sweep beside the same one over an emulated 1 Gbit/s link:
+# started. Each cap runs once, so a few milliseconds between two rows can be noise. The lesson sets this sweep
+# beside the same one over an emulated 1 Gbit/s link:
 #
 # ![The bucket sweep on loopback and over a 1 Gbit/s link](../lessons/figures/09_bucket_sweep.png)
 
