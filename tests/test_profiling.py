@@ -439,6 +439,18 @@ def test_the_profiler_counts_a_convolutions_forward_but_not_its_backward():
     assert training_flops(conv.weight.numel(), samples) < forward / 10  # the 6PT estimate: each weight used once
 
 
+def test_the_profiler_counts_one_flop_per_element_for_mul_and_add_not_for_their_in_place_forms():
+    """with_flops on element-wise ops: aten::mul and aten::add count one per element; mul_ and add_ count zero."""
+    a, b = torch.randn(100, 100), torch.randn(100, 100)
+    for op, expected in ((torch.mul, {"aten::mul": a.numel()}), (torch.add, {"aten::add": a.numel()})):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as counted:
+            op(a, b)
+        assert {event.key: event.flops for event in counted.key_averages() if event.flops} == expected
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as in_place:
+        a.mul_(b).add_(b)
+    assert profiled_flops(in_place) == 0
+
+
 def test_mfu_is_the_achieved_rate_over_the_peak():
     # 1e12 flops per step in 10 ms is 1e14 flop/s; against a peak of 4e14 flop/s that is a quarter.
     assert model_flops_utilization(1e12, 0.010, 4e14) == pytest.approx(0.25)

@@ -20,6 +20,8 @@ RESIDUALS_RUN2 = RESULTS / "alpha_beta_residuals_run2.txt"  # the same command, 
 SCALING = RESULTS / "ddp_scaling.txt"  # weak and strong scaling at 1 and 2 processes on the 2-core machine
 H100_SUMMARY = REPO / "results" / "nvidia-h100-80gb-hbm3" / "summary.md"  # weak scaling on 1-8 CPU cores
 REGION_COLOURS = {"data": "#c7b8e0", "forward": "#9ecae1", "backward": "#6baed6", "optimizer": "#a1d99b"}
+BUSY = "#08519c"  # an op or a kernel computing: darker than every region, so it never reads as one
+EXPOSED = "#d62728"
 
 
 def four_reasons(path: Path) -> None:
@@ -108,9 +110,9 @@ def step_timeline(path: Path) -> None:
             if (end - start) / 1e3 > 2.5:
                 axes.text((start + end) / 2e3 - origin / 1e3, top, name, ha="center", va="center", fontsize=8)
         for row, key, colour in (
-            (1, "computing", COMPUTE),
+            (1, "computing", BUSY),
             (2, "communicating", COMMUNICATE),
-            (3, "exposed", "#d62728"),
+            (3, "exposed", EXPOSED),
         ):
             for start, end in step[key]:
                 axes.barh(top - row, (end - start) / 1e3, left=(start - origin) / 1e3, color=colour, height=0.7)
@@ -125,11 +127,113 @@ def step_timeline(path: Path) -> None:
         tick.set_color(RANK_COLOURS[0] if y > 4 else RANK_COLOURS[1])
     axes.axhline(4.0, color="#999999", lw=0.8)
     for name, colour in REGION_COLOURS.items():
+        axes.barh(0, 0, color=colour, label=f"region: {name}")
+    for name, colour in (
+        ("main thread computing", BUSY),
+        ("gloo all-reducing (union of spans)", COMMUNICATE),
+        ("exposed communication", EXPOSED),
+    ):
         axes.barh(0, 0, color=colour, label=name)
     axes.legend(loc="upper left", bbox_to_anchor=(0.0, -0.17), ncol=4, fontsize=8, frameon=False)
     axes.set_xlabel("ms from the step's start (both traces share this machine's clock)")
     axes.set_title("One profiled step of DeepMLP, 1 MiB buckets, 2 ranks on gloo (first of 3 recorded)", fontsize=10)
     axes.set_ylim(0, 8.2)
+    axes.grid(axis="x", alpha=0.3)
+    save(fig, path)
+
+
+def _nested(events: list[dict]) -> list[tuple[int, dict]]:
+    """``(depth, event)`` for one thread's events, depth being how many spans enclose it, as Perfetto stacks them."""
+    ends, out = [], []
+    for event in sorted(events, key=lambda event: (event["ts"], -event["dur"])):
+        while ends and ends[-1] <= event["ts"]:
+            ends.pop()
+        out.append((len(ends), event))
+        ends.append(event["ts"] + event["dur"])
+    return out
+
+
+def trace_view(path: Path) -> None:
+    """Rank 0's first profiled step as Perfetto lays it out: a row per thread, nested spans stacked under their
+    parent, and the three things the lesson says to look for, numbered."""
+    trace = load_trace(CPU_TRACES / "rank0.json")
+    events = [event for event in trace["traceEvents"] if event.get("ph") == "X" and "dur" in event]
+    (step,) = [event for event in events if event["name"] == "ProfilerStep#2"]  # the first recorded step
+    start, end = step["ts"], step["ts"] + step["dur"]
+    inside = [event for event in events if start <= event["ts"] < end]
+    main = step["tid"]
+    depths = 4  # ProfilerStep, our labels, the ops under them, the calls inside those
+    fig, axes = plt.subplots(figsize=(10, 4.6))
+    ms = lambda ts: (ts - start) / 1e3  # noqa: E731
+    allreduce_calls = []
+    for depth, event in _nested([event for event in inside if event["tid"] == main]):
+        if depth >= depths:
+            continue
+        name, y = event["name"], depths + 1 - depth
+        if name.startswith("ProfilerStep"):
+            colour = "#bdbdbd"
+        elif name in REGIONS:
+            colour = REGION_COLOURS[name]
+        elif name == "c10d::allreduce_":
+            colour = "#d94801"
+            allreduce_calls.append((ms(event["ts"]), y))
+        elif event.get("cat") == "user_annotation":
+            colour = "#fdd0a2"
+        else:
+            colour = "#dadaeb"
+        width = max(event["dur"] / 1e3, 0.25 if name == "c10d::allreduce_" else 0.12)  # a call of a few us shows
+        edge = {} if name == "c10d::allreduce_" else {"edgecolor": "white", "linewidth": 0.3}
+        axes.barh(y, width, left=ms(event["ts"]), color=colour, height=0.8, zorder=3 if edge == {} else 2, **edge)
+        shown = name.replace("autograd::engine::evaluate_function: ", "evaluate_function: ")
+        if event["dur"] / 1e3 > 0.2 * len(shown) + 0.3:
+            axes.text(ms(event["ts"]) + width / 2, y, shown, ha="center", va="center", fontsize=7.5)
+        elif name in REGIONS and event["dur"] / 1e3 > 1:  # "optim." in its short bar
+            axes.text(ms(event["ts"]) + width / 2, y, name[:5] + ".", ha="center", va="center", fontsize=7)
+        elif event["dur"] / 1e3 > 3:
+            axes.text(ms(event["ts"]) + width / 2, y, shown[:14] + "...", ha="center", va="center", fontsize=7)
+    gloo_threads = sorted({event["tid"] for event in inside if event["name"].startswith("gloo:")})
+    for row, tid in enumerate(gloo_threads):
+        for event in inside:
+            if event["tid"] == tid and event["name"].startswith("gloo:"):
+                y = -0.4 - row
+                axes.barh(y, event["dur"] / 1e3, left=ms(event["ts"]), color=COMMUNICATE, height=0.8)
+                axes.text(
+                    ms(event["ts"]) + event["dur"] / 2e3, y, "gloo:\nall_reduce", ha="center", va="center", fontsize=6.5
+                )
+    ticks = [(depths + 1 - depth, f"main thread, depth {depth}") for depth in range(depths)]
+    ticks += [(-0.4 - row, f"gloo thread {row + 1} (pt_gloo_runloop)") for row in range(len(gloo_threads))]
+    axes.set_yticks([y for y, _ in ticks], [label for _, label in ticks], fontsize=8.5)
+    axes.axhline(0.5, color="#999999", lw=0.8)
+
+    def number(text, xy, target):
+        axes.annotate(
+            text,
+            xy=target,
+            xytext=xy,
+            fontsize=10,
+            weight="bold",
+            ha="center",
+            va="center",
+            bbox={"boxstyle": "circle,pad=0.25", "fc": "white", "ec": "black"},
+            arrowprops={"arrowstyle": "->", "lw": 1.1},
+        )
+
+    top = depths + 1  # the ProfilerStep row
+    number("1", (12.0, top + 0.95), (12.0, top + 0.4))
+    number("1", (12.0, top + 0.95), (20.0, top - 0.6))
+    number("2", (8.0, 1.0), (6.5, top - 2.4))
+    number("2", (8.0, 1.0), (12.0, top - 2.4))
+    for x, y in allreduce_calls:
+        number("3", (27.0, 1.0), (x + 0.12, y - 0.4))
+    axes.set_xlim(0, ms(end) + 0.5)
+    axes.set_ylim(-0.4 - len(gloo_threads) + 0.4, top + 1.4)
+    axes.set_xlabel("ms from the start of ProfilerStep#2")
+    axes.set_title(
+        "rank0.json, one recorded step, redrawn as Perfetto lays it out (not a screenshot)\n"
+        "1: the step and our four labels    2: forward's and backward's ops    "
+        "3: c10d::allreduce_, DDP enqueuing a bucket",
+        fontsize=9.5,
+    )
     axes.grid(axis="x", alpha=0.3)
     save(fig, path)
 
@@ -311,6 +415,7 @@ def scaling_curves(path: Path) -> None:
 
 FIGURES = {
     "09_four_reasons": (four_reasons, None),
+    "09_trace_view": (trace_view, CPU_TRACES / "rank0.json"),
     "09_step_timeline": (step_timeline, CPU_TRACES / "rank0.json"),
     "09_gpu_idle_timeline": (gpu_idle_timeline, GPU_TRACE),
     "09_bucket_sweep": (bucket_sweep, CLUSTER),
