@@ -3,6 +3,7 @@
     python benchmarks/ddp_scaling.py --mode both --plot runs/ddp_scaling.png   # 1 and 2 processes, synthetic data
     python benchmarks/ddp_scaling.py --nproc 1 2 4 --dataset digits --epochs 5
     python benchmarks/ddp_scaling.py --nproc 1 2 4 8 --cpu --threads 1     # gloo on CPU cores, one thread each
+    python benchmarks/ddp_scaling.py --nproc 2 --communication-only         # the all-reduce fit alone, no training
 
 Each count runs under ``torchrun --standalone``; the figures come from the metrics file that global rank 0
 writes. The first epoch is left out of the throughput (start-up, first-touch allocations) when there are more.
@@ -18,7 +19,9 @@ Then the communication (``common/scaling.py``): at every count above 1, one more
 ``dist.all_reduce`` at sizes from 4 B to 16 MiB and fits t(n) = alpha + beta n; the model's DDP buckets (DDP's
 default cap) give the predicted all-reduce time per step, beside "measured, buckets alone": the same all-reduces
 timed back to back with nothing else running (inside a real step, where backward overlaps and competes with
-them, the communication is read from a profiler trace: lesson 09). Then a control for every count above 1: one
+them, the communication is read from a profiler trace: lesson 09). A second table shows how far each measured size
+lies from the fitted line (its residual, measured / fitted) and the fit's 1/beta as algorithm and bus bandwidth;
+``--communication-only`` prints these two tables alone, with no training. Then a control for every count above 1: one
 process alone, with the threads and the batch of one of the N processes (``--threads``, else 1, as torchrun gives
 each of several). A last table splits the time each step lost against the ideal into measured parts: what one
 process of the N takes alone (control - ideal: fewer threads, a smaller batch), the all-reduces measured alone,
@@ -48,7 +51,9 @@ from common.models import MODELS
 from common.reports import run_header
 from common.scaling import (
     bucket_bytes,
+    bus_bandwidth_gb_s,
     fit_alpha_beta,
+    fit_residuals,
     plot_scaling,
     predict_communication_seconds,
     scaling_efficiency,
@@ -146,6 +151,12 @@ def cores_used(nproc: int, args) -> tuple[str, int, int]:
 def main(args):
     if args.fit_only:
         return fit_only(args)
+    if args.communication_only:
+        print(run_header(), flush=True)
+        communication = {nproc: measure_communication(nproc, args) for nproc in sorted(set(args.nproc)) if nproc > 1}
+        if not communication:
+            raise SystemExit("--communication-only times all-reduces between processes: give --nproc 2 or more")
+        return print_communication(communication, args)
     threads = f"{args.threads} thread(s) per process" if args.threads else "torchrun's threads per process"
     setup = (
         f"solutions/01_ddp_basic.py --dataset {args.dataset} --model {args.model} --epochs {args.epochs}; "
@@ -211,6 +222,31 @@ def print_communication(communication: dict, args):
             f"{nproc:>9} {row['backend']:>7} {row['alpha_s'] * 1e3:>9.3f} {row['bandwidth_gb_s']:>11.2f} "
             f"{row['predicted_s'] * 1e3:>17.3f} {row['buckets_alone_s'] * 1e3:>31.3f}"
         )
+    for nproc, row in communication.items():
+        print_residuals(nproc, row, args)
+
+
+def print_residuals(nproc: int, row: dict, args):
+    """How far each measured all-reduce lies from the fitted line, and the model's buckets beside it; then the
+    fit's 1/beta as algorithm and bus bandwidth."""
+    fit = {key: row[key] for key in ("alpha_s", "beta_s_per_byte")}
+    print(f"\n{nproc} processes: each size measured against the fit (residual = measured / fitted)")
+    print(f"{'bytes':>12} {'measured ms':>11} {'fitted ms':>9} {'residual':>8}")
+    residuals = fit_residuals(row["sizes_bytes"], row["seconds"], fit)
+    for size, seconds, residual in zip(row["sizes_bytes"], row["seconds"], residuals):
+        fitted = fit["alpha_s"] + fit["beta_s_per_byte"] * size
+        print(f"{size:>12,} {seconds * 1e3:>11.3f} {fitted * 1e3:>9.3f} {residual:>7.2f}x")
+    buckets = row["bucket_bytes"]
+    print(
+        f"{args.model}'s {len(buckets)} bucket(s), {sum(buckets):,} bytes, back to back: measured "
+        f"{row['buckets_alone_s'] * 1e3:.3f} ms, fitted {row['predicted_s'] * 1e3:.3f} ms, residual "
+        f"{row['buckets_alone_s'] / row['predicted_s']:.2f}x"
+    )
+    bus = bus_bandwidth_gb_s(row["bandwidth_gb_s"], nproc)
+    print(
+        f"1/beta = {row['bandwidth_gb_s']:.2f} GB/s of the tensor's bytes (algorithm bandwidth); x 2(N-1)/N = "
+        f"{bus:.2f} GB/s bus bandwidth at {nproc} processes"
+    )
 
 
 def measure_controls(rows_by_mode: dict, measured: dict, args) -> dict:
@@ -321,6 +357,11 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, help="intra-op threads per process (OMP_NUM_THREADS), at every count")
     parser.add_argument("--plot", type=Path, help="plot speed-up and efficiency against the process count to this PNG")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument(
+        "--communication-only",
+        action="store_true",
+        help="only time and fit the all-reduce at each --nproc above 1, with its residuals: no training",
+    )
     parser.add_argument("--fit-only", type=Path, help=argparse.SUPPRESS)  # internal: the torchrun'd all-reduce timing
     args = parser.parse_args(argv)
     if args.mode in ("strong", "both"):

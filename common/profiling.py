@@ -21,6 +21,8 @@ Every step is cut into four labelled regions, ``REGIONS``, each inside ``torch.p
   nothing hid (exposed), and the computation's busy time. ``bottleneck`` names the largest of data loading,
   exposed communication, compute and overhead (the rest: idle gaps, launches).
 - ``hta_breakdown``: Holistic Trace Analysis' view of GPU traces (HTA reads no CPU-only trace).
+- ``training_flops``, ``profiled_flops`` and ``model_flops_utilization``: how much arithmetic a step does, by the
+  6 x parameters x tokens estimate or by the profiler's count, and what share of the device's peak that is (MFU).
 """
 
 import gzip
@@ -317,6 +319,40 @@ def hta_breakdown(trace_dir) -> dict:
     }
 
 
+def training_flops(parameters: int, tokens: int) -> int:
+    """The usual estimate of the floating-point operations of one training step: 6 x parameters x tokens.
+
+    Forward multiplies every weight by every input once and adds the product: 2 operations per parameter and token.
+    Backward does it twice: once for the gradient of the input, once for the gradient of the weight, 4 more (Kaplan
+    et al. 2020, "Scaling laws for neural language models", section 2.1). It counts the matrix products of dense
+    (Linear) layers only, each weight used once per token: for an MLP a sample is one token. It does not hold for
+    a convolution, which uses each weight once per output position: count 2 x weights x output positions per
+    sample for its forward, and 3 times that for a step. Attention's own products (scores, weighted values) are
+    left out too. The first layer's input needs no gradient, so a profiler's count of an MLP comes out slightly
+    lower (tests/test_profiling.py shows by how much).
+    """
+    return 6 * parameters * tokens
+
+
+def profiled_flops(profiler: profile) -> int:
+    """The floating-point operations the profiler counted over the steps it recorded: the sum of ``flops`` over
+    ``key_averages()``. Needs ``profile(..., with_flops=True)``. PyTorch 2.14.1 has a formula for aten::mm, addmm,
+    bmm and baddbmm, for aten::conv2d's forward, and for aten::mul and aten::add (one per element); every other op
+    counts zero, convolution backward among them. So on a CNN this misses the backward's convolutions: take the
+    forward's count times 3 for a step instead."""
+    return sum(event.flops for event in profiler.key_averages())
+
+
+def model_flops_utilization(flops_per_step: float, step_seconds: float, peak_flops_per_second: float) -> float:
+    """Model FLOPs utilisation (MFU, as Chowdhery et al. 2022, "PaLM", define it): the achieved rate, flops per step
+    over seconds per step, as a share of the device's peak rate for the precision used (the vendor's data sheet:
+    dense, not the sparse figure). 0.4 means 40% of the peak. Throughput and MFU rise together; a GPU that NVML
+    reports 100% busy can still be at a few percent MFU."""
+    if step_seconds <= 0 or peak_flops_per_second <= 0:
+        raise ValueError(f"step_seconds ({step_seconds}) and the peak ({peak_flops_per_second}) must be positive")
+    return flops_per_step / step_seconds / peak_flops_per_second
+
+
 def key_averages_table(profiler: profile, device, rows: int = 12) -> str:
     """The profiled ops that took the most time, one line each: sorted by self time on the device on a GPU
     (kernels run asynchronously: their CPU time is only the launch), by self CPU time on a CPU."""
@@ -327,8 +363,8 @@ def key_averages_table(profiler: profile, device, rows: int = 12) -> str:
 
 def plot_breakdown(rows_by_label: dict, path, title: str = "Mean time per training step, by region") -> None:
     """A stacked horizontal bar per label (a rank, a setting) of ``data``, ``forward``, ``backward``, ``optimizer``
-    and ``other`` ms, to the PNG ``path``. Exposed communication, when measured, is hatched over the end of the
-    backward bar: DDP waits for its last buckets at the end of backward."""
+    and ``other`` ms, to the PNG ``path``. Exposed communication, when measured, is hatched at the end of the backward
+    bar: its length is measured, its place is only a convention (in a real step it can fall anywhere in backward)."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(8, 1.2 + 0.5 * len(rows_by_label)), layout="constrained")

@@ -3,6 +3,8 @@
 - ``time_all_reduce``: ``dist.all_reduce`` timed at several sizes, as the slowest rank saw it;
   ``time_bucket_all_reduces``: one backward's worth of all-reduces (one per DDP bucket), back to back.
 - ``fit_alpha_beta``: the latency-bandwidth (alpha-beta) model t(n) = alpha + beta * n fitted to such times;
+  ``fit_residuals``: how far each measured time lies from the fitted line; ``bus_bandwidth_gb_s``: an
+  algorithm bandwidth as a bus bandwidth (given the fit's 1/beta, the one that large messages approach);
   ``predict_communication_seconds``: what the model predicts for a step's buckets.
 - ``bucket_bytes``: the sizes of DDP's gradient buckets for a model (lesson 08's rule, ``assign_buckets``).
 - ``scaling_efficiency`` and ``plot_scaling``: speed-up and efficiency from throughputs at several process counts,
@@ -96,6 +98,27 @@ def fit_alpha_beta(sizes_bytes: list[int], seconds: list[float]) -> dict:
         only_alpha = (float((1 / t).sum() / (1 / t).square().sum()), 0.0)
         alpha, beta = min(only_beta, only_alpha, key=lambda fit: relative_error(*fit))
     return {"alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_gb_s": 1 / beta / 1e9 if beta > 0 else float("inf")}
+
+
+def fit_residuals(sizes_bytes: list[int], seconds: list[float], fit: dict) -> list[float]:
+    """Each measured time over the time ``fit`` (``fit_alpha_beta``'s dict) gives at its size: 1.0 on the line,
+    2.0 where the measurement took twice the model's time, 0.5 where it took half. A least-squares line can sit
+    close to every point on average and still miss one size by a wide factor: read these before trusting a
+    prediction at a size between the measured ones."""
+    if len(sizes_bytes) != len(seconds):
+        raise ValueError(f"{len(sizes_bytes)} sizes but {len(seconds)} times")
+    return [t / (fit["alpha_s"] + fit["beta_s_per_byte"] * n) for n, t in zip(sizes_bytes, seconds)]
+
+
+def bus_bandwidth_gb_s(algorithm_gb_s: float, world_size: int) -> float:
+    """The bus bandwidth of an all-reduce whose algorithm bandwidth (the tensor's bytes over the time) is
+    ``algorithm_gb_s`` on ``world_size`` ranks: times 2(N-1)/N, the share of the tensor that each rank of a ring
+    sends (nccl-tests' definition, lesson 01). The two are equal at 2 ranks. Given the fit's 1/beta, it is the bus
+    bandwidth that large messages approach, once alpha is negligible: one message's bytes over its whole time,
+    alpha included, is lower."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, not {world_size}")
+    return algorithm_gb_s * 2 * (world_size - 1) / world_size
 
 
 def fit_all_reduce(env, sizes_bytes: list[int], iterations: int) -> dict:

@@ -16,11 +16,17 @@
 # %% [markdown]
 # # Lesson 09: profiling, monitoring and scaling
 #
-# The companion notebook of `lessons/09_profiling_and_scaling.md`. It runs `solutions/06_profiling.py` and two
-# benchmarks through `torchrun` subprocesses, and reads back what they wrote: the trace breakdown of a step per
-# rank, a loader that starves training fixed one option at a time, a sweep of DDP's bucket size, strong and weak
-# scaling with a latency-bandwidth model of the all-reduce, and the TensorBoard scalars of a run. Every figure
-# here is measured on the machine that ran the notebook (the committed outputs: 2 CPU cores, gloo).
+# This is the companion notebook of `lessons/09_profiling_and_scaling.md`. It runs `solutions/06_profiling.py` and
+# two benchmarks as `torchrun` subprocesses. Then it reads back what they wrote:
+# - the trace breakdown of a step, rank by rank
+# - a loader that starves training, fixed one option at a time
+# - a sweep of DDP's bucket size
+# - strong and weak scaling, with a latency-bandwidth model of the all-reduce
+# - the TensorBoard scalars of a run
+#
+# Every number printed here is measured on the machine that ran the notebook. The pictures embedded in the Markdown
+# are the lesson's, drawn from other committed runs. The committed outputs come from 2 CPU cores with gloo, and
+# other jobs shared them. The first cell prints the load average.
 
 # %%
 import datetime
@@ -81,9 +87,15 @@ def lines(text, *starts):
 # %% [markdown]
 # ## One profiled run: where a step's time goes, rank by rank
 #
-# DeepMLP (1.46 M parameters) with 1 MiB buckets, TensorBoard on. The script labels every step's four regions,
-# records steps 3-5 with `torch.profiler`, and prints the costliest ops and each rank's breakdown, read back from
-# its own trace (`common.profiling.step_breakdowns`).
+# The run trains DeepMLP, 1.46 M parameters, with 1 MiB buckets and TensorBoard on. The script labels four regions
+# in every step: data, forward, backward and optimizer. It records steps 3 to 5 with `torch.profiler`, one trace
+# per rank. Then it prints each rank's breakdown, read back from that rank's trace by
+# `common.profiling.step_breakdowns`.
+#
+# *Exposed* communication is the part of the all-reduces that nothing hid behind computation. The lesson draws one
+# such step from a committed trace:
+#
+# ![One profiled step of two ranks, rank 1 waiting in its all-reduces](../lessons/figures/09_step_timeline.png)
 
 # %%
 printed, metrics = profile_run("mlp", "--model", "mlp", "--bucket-cap-mb", 1, "--tensorboard", WORK / "runs")
@@ -91,8 +103,9 @@ start = printed.index("per profiled step")
 print(printed[start:])
 
 # %% [markdown]
-# The same figures as bars: each region's mean time per profiled step, exposed communication hatched over the end
-# of backward (where DDP waits for its last buckets).
+# The same figures as bars. Each bar is a region's mean time per profiled step. Exposed communication is drawn
+# hatched at the end of the backward bar. Its length is measured, but its place is only a convention. In a real
+# step it can fall anywhere in backward, as the lesson's two-rank timeline above shows.
 
 # %%
 profile = metrics["profile"]
@@ -102,8 +115,9 @@ display(Image(WORK / "breakdown.png"))
 # %% [markdown]
 # ## A loader that starves training, fixed one option at a time
 #
-# `benchmarks/data_loading.py` reads the digits from PNG files, one file per sample with 2 ms of simulated storage
-# latency, decoded and augmented in Python, and climbs `common.data_loading.LOADER_LADDER`.
+# `benchmarks/data_loading.py` reads the digits from PNG files, one file per sample. Each file waits 2 ms, to
+# stand for slow storage, and is decoded and augmented in Python. The benchmark climbs
+# `common.data_loading.LOADER_LADDER`, one loader option per rung.
 
 # %%
 loading = launch(
@@ -118,8 +132,12 @@ display(Image(WORK / "loading.png"))
 # %% [markdown]
 # ## DDP's bucket size: all-reduces per step, predicted and counted
 #
-# `--bucket-cap-mb` sets the cap of every bucket; lesson 08's `assign_buckets` predicts how many buckets (one
-# all-reduce each) the 1.46 M parameters make, and the trace counts the all-reduces each profiled step started.
+# `--bucket-cap-mb` sets the cap of every bucket. Lesson 08's `assign_buckets` predicts how many buckets the
+# 1.46 M parameters make, and each bucket is one all-reduce. The trace counts the all-reduces each profiled step
+# started. Each cap runs once, so a few milliseconds between two rows can be noise. The lesson sets this sweep
+# beside the same one over an emulated 1 Gbit/s link:
+#
+# ![The bucket sweep on loopback and over a 1 Gbit/s link](../lessons/figures/09_bucket_sweep.png)
 
 
 # %%
@@ -141,9 +159,13 @@ print("\n".join(sweep_row(cap, sweep[cap]) for cap in sorted(sweep)))
 # %% [markdown]
 # ## Scaling: strong and weak, and a model of the all-reduce
 #
-# `benchmarks/ddp_scaling.py` trains `solutions/01_ddp_basic.py` at 1 and 2 processes, the batch per process fixed
-# (weak) and the global batch fixed (strong), then fits t(n) = alpha + beta n to measured all-reduces and
-# predicts what a step's buckets cost.
+# `benchmarks/ddp_scaling.py` trains `solutions/01_ddp_basic.py` at 1 and 2 processes. Weak scaling keeps the
+# batch per process fixed. Strong scaling keeps the global batch fixed. Then the benchmark times all-reduces of
+# several sizes and fits t(n) = alpha + beta n to them. Alpha is the fixed cost of a call, beta the cost per byte.
+# The fit predicts what a step's buckets cost.
+#
+# In the committed run the single process was slow under the notebook, so its efficiencies came out above 100%.
+# The lesson's "Deeper" section has what is known about it.
 
 # %%
 scaling = subprocess.run(
@@ -158,8 +180,11 @@ print(scaling)
 display(Image(WORK / "scaling.png"))
 
 # %% [markdown]
-# The fit, applied to the bucket sweep above: the all-reduce time each cap's buckets predict for DeepMLP at 2
-# processes, against the communication and the exposed communication the traces measured inside real steps.
+# The fit, applied to the bucket sweep above. For each cap it predicts the all-reduce time of DeepMLP's buckets at
+# 2 processes. Beside the prediction are the communication and the exposed communication that the traces measured
+# inside real steps. The lesson also shows how far each measured size lies from the fitted line:
+#
+# ![The alpha-beta fit and each size's residual, measured over fitted](../lessons/figures/09_alpha_beta_residuals.png)
 
 # %%
 fit = json.loads((WORK / "scaling.json").read_text())["communication"][0]  # 2 processes
@@ -176,8 +201,8 @@ for cap in sorted(sweep):
 # %% [markdown]
 # ## Monitoring: what TensorBoard received
 #
-# The first run logged, from global rank 0 only, one point per epoch of each scalar. `tensorboard --logdir` shows
-# them as curves; `read_scalars` reads the same event files back.
+# The first run logged one point per epoch of each scalar, from global rank 0 only. `tensorboard --logdir` shows
+# them as curves. `read_scalars` reads the same event files back.
 
 # %%
 for tag, points in read_scalars(WORK / "runs").items():

@@ -101,6 +101,23 @@ def test_without_an_nvidia_driver_a_cuda_device_is_monitored_through_the_process
     assert summary["note"].startswith("no NVIDIA driver (NVML library not found)")
 
 
+def test_the_gpu_is_found_by_its_uuid_not_by_an_index_that_nvml_numbers_differently(monkeypatch):
+    """CUDA's device 0 is the GPU whose UUID torch reports; NVML is asked for that UUID, with NVML's "GPU-" prefix
+    added where torch leaves it out, and never for an index (NVML counts GPUs in PCI order, CUDA after
+    CUDA_VISIBLE_DEVICES)."""
+    asked = []
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByUUID", lambda uuid: asked.append(uuid) or f"handle of {uuid}")
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: pytest.fail(f"asked for index {index}"))
+    for reported, expected in [
+        ("1b2c3d4e-0000-1111-2222-333344445555", "GPU-1b2c3d4e-0000-1111-2222-333344445555"),
+        ("GPU-1b2c3d4e-0000-1111-2222-333344445555", "GPU-1b2c3d4e-0000-1111-2222-333344445555"),
+        ("MIG-9f8e7d6c-0000-1111-2222-333344445555", "MIG-9f8e7d6c-0000-1111-2222-333344445555"),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid=reported))
+        assert monitoring._nvml_handle(torch.device("cuda", 0)) == f"handle of {expected}"
+    assert asked[-1] == "MIG-9f8e7d6c-0000-1111-2222-333344445555" and len(asked) == 3
+
+
 @pytest.mark.timeout(20)
 def test_an_nvml_failure_mid_run_ends_sampling_with_a_note_and_training_goes_on(monkeypatch):
     readings = iter([37, 38, 39])

@@ -3,6 +3,7 @@ traces (CPU and GPU style) whose intervals are worked out by hand; the settings 
 
 import gzip
 import json
+import re
 
 import pytest
 import torch
@@ -23,8 +24,11 @@ from common.profiling import (
     key_averages_table,
     load_trace,
     mean_breakdown,
+    model_flops_utilization,
     plot_breakdown,
+    profiled_flops,
     step_breakdowns,
+    training_flops,
     training_profiler,
 )
 
@@ -131,11 +135,30 @@ def test_the_traces_step_time_matches_the_wall_clock_of_the_same_steps(runs):
         assert traced["backward_ms"] == pytest.approx(wall["backward_ms"], rel=0.05, abs=0.2)
 
 
+def self_cpu_column_us(table: str) -> list[float]:
+    """The "Self CPU" column of a ``key_averages().table()``, row by row, in microseconds."""
+    lines = table.splitlines()
+    header = [line for line in lines if "Self CPU %" in line][0]
+    column = [name.strip() for name in re.split(r"\s{2,}", header.strip())].index("Self CPU")
+    units = {"us": 1.0, "ms": 1e3, "s": 1e6}
+    times = []
+    for line in lines[lines.index(header) + 2 :]:
+        if line.startswith("-"):
+            break
+        value = re.split(r"\s{2,}", line.strip())[column]
+        number, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", value).groups()
+        times.append(float(number) * units[unit])
+    return times
+
+
 @pytest.mark.timeout(120)
 def test_key_averages_table_sorts_by_self_cpu_time_on_a_cpu(runs):
     table = runs[0]["table"]
-    assert "Self CPU" in table and "aten::" in table
+    assert "aten::" in table
     assert "c10d::allreduce_" in table or "aten::addmm" in table
+    times = self_cpu_column_us(table)
+    assert len(times) >= 5
+    assert times == sorted(times, reverse=True), "the ops table is sorted by self CPU time, the costliest first"
 
 
 @pytest.mark.timeout(120)
@@ -347,6 +370,93 @@ def test_bottleneck_names_overhead_when_idle_gaps_take_more_than_the_computation
     assert bottleneck({**step, "compute_ms": 5.0}) == "compute"  # busy 5 ms, idle 3
     assert bottleneck(step) == "compute"  # a wall clock only: it cannot tell the two apart
     assert bottleneck({**step, "compute_ms": 9.0}) == "compute"  # more busy time than the rest: capped, not negative
+
+
+def test_bottleneck_counts_only_the_exposed_communication_not_all_of_it():
+    """A 10 ms step whose all-reduces ran for 6 ms, 5 of them under backward's computation: 1 ms exposed. What the
+    step pays for communication is that 1 ms, so the step is compute-bound. Counting all 6 ms, as a "communication
+    is 60% of the step" rule does, would call it communication-bound."""
+    step = {"step_ms": 10.0, "data_ms": 1.0, "communication_ms": 6.0, "exposed_communication_ms": 1.0}
+    assert bottleneck({**step, "compute_ms": 7.0}) == "compute"
+    assert bottleneck({**step, "exposed_communication_ms": 6.0, "compute_ms": 3.0}) == "communication"
+
+
+def test_trace_bottleneck_splits_each_committed_trace_into_four_parts_that_add_up_to_its_step():
+    """scripts/trace_bottleneck.py on the lesson's committed 2-rank trace: per rank, data + exposed communication +
+    compute + overhead is the step, overhead is never negative, and the verdict is the largest part's."""
+    from tests.conftest import REPO, load_script
+
+    script = load_script(REPO / "scripts" / "trace_bottleneck.py")
+    names = {"data loading": 1, "communication": 2, "compute": 3, "overhead": 4}
+    for rank in (0, 1):
+        path = REPO / "results" / "cpu-amd-epyc-2core" / "traces_mlp_1mib" / f"rank{rank}.json"
+        fields = [
+            field.strip()
+            for field in script.parts_row(path.stem, mean_breakdown(step_breakdowns(load_trace(path)))).split("|")
+        ]
+        step, *parts = map(float, fields[1:6])
+        assert sum(parts) == pytest.approx(step, abs=0.02) and parts[3] >= 0
+        assert names[fields[6]] == 1 + parts.index(max(parts))
+    row = {"step_ms": 10.0, "data_ms": 1.0, "exposed_communication_ms": 1.0, "compute_ms": 2.0}
+    assert script.parts_row("hand", row).split("|")[-2:] == ["                   6.00 ", " overhead"]
+
+
+def test_the_profilers_flop_count_is_six_times_parameters_times_samples_less_the_first_layers_input_gradient():
+    """A bias-free MLP, one forward and backward of 32 samples: the profiler counts 2 flops per weight and sample
+    forward, 4 backward, except the first layer's input gradient, which nobody asked for (2 per first-layer weight
+    and sample). Forward alone is the 2 x parameters x samples of the estimate, exactly."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 256, bias=False), nn.ReLU(), nn.Linear(256, 256, bias=False), nn.ReLU()]
+    net = nn.Sequential(*layers, nn.Linear(256, 10, bias=False))
+    parameters, first, samples = sum(p.numel() for p in net.parameters()), 64 * 256, 32
+    X = torch.randn(samples, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as step:
+        F.cross_entropy(net(X), torch.zeros(samples, dtype=torch.long)).backward()
+    assert profiled_flops(step) == training_flops(parameters, samples) - 2 * first * samples
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as forward:
+        with torch.no_grad():
+            net(X)
+    assert profiled_flops(forward) == 2 * parameters * samples
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as uncounted:
+        net(X)
+    assert profiled_flops(uncounted) == 0  # without with_flops=True the profiler counts nothing
+
+
+def test_the_profiler_counts_a_convolutions_forward_but_not_its_backward():
+    """A bias-free Conv2d, forward and backward: with_flops counts aten::conv2d's forward, 2 x weights x output
+    positions per sample, and nothing for aten::convolution_backward. So the profiler's count of a CNN's step misses
+    two thirds of its convolutions, and 6 x parameters x samples, which uses each weight once per sample, is far
+    lower still."""
+    conv = nn.Conv2d(3, 8, kernel_size=3, bias=False)
+    X = torch.randn(2, 3, 16, 16, requires_grad=True)
+    positions, samples = 14 * 14, 2  # a 3x3 kernel over 16x16, no padding
+    forward = 2 * conv.weight.numel() * positions * samples
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as step:
+        conv(X).sum().backward()
+    counted = {event.key: event.flops for event in step.key_averages() if event.flops}
+    assert counted == {"aten::conv2d": forward}, "the backward's two convolutions count zero"
+    assert profiled_flops(step) == forward
+    assert training_flops(conv.weight.numel(), samples) < forward / 10  # the 6PT estimate: each weight used once
+
+
+def test_the_profiler_counts_one_flop_per_element_for_mul_and_add_not_for_their_in_place_forms():
+    """with_flops on element-wise ops: aten::mul and aten::add count one per element; mul_ and add_ count zero."""
+    a, b = torch.randn(100, 100), torch.randn(100, 100)
+    for op, expected in ((torch.mul, {"aten::mul": a.numel()}), (torch.add, {"aten::add": a.numel()})):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as counted:
+            op(a, b)
+        assert {event.key: event.flops for event in counted.key_averages() if event.flops} == expected
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as in_place:
+        a.mul_(b).add_(b)
+    assert profiled_flops(in_place) == 0
+
+
+def test_mfu_is_the_achieved_rate_over_the_peak():
+    # 1e12 flops per step in 10 ms is 1e14 flop/s; against a peak of 4e14 flop/s that is a quarter.
+    assert model_flops_utilization(1e12, 0.010, 4e14) == pytest.approx(0.25)
+    assert training_flops(parameters=5, tokens=2) == 60
+    with pytest.raises(ValueError, match="must be positive"):
+        model_flops_utilization(1e12, 0.0, 4e14)
 
 
 def test_plot_breakdown_writes_a_png(runs, tmp_path):

@@ -12,7 +12,9 @@ from common.launch import run_on_ranks
 from common.models import DeepMLP
 from common.scaling import (
     bucket_bytes,
+    bus_bandwidth_gb_s,
     fit_alpha_beta,
+    fit_residuals,
     plot_scaling,
     predict_communication_seconds,
     scaling_efficiency,
@@ -71,6 +73,27 @@ def test_the_fit_keeps_alpha_and_beta_non_negative():
     flat = fit_alpha_beta(SIZES, falling)
     assert flat["beta_s_per_byte"] == 0.0 and flat["bandwidth_gb_s"] == float("inf")
     assert flat["alpha_s"] == pytest.approx(ALPHA * 1.09, rel=0.05)
+
+
+def test_residuals_are_one_on_the_line_and_show_the_size_the_fit_misses():
+    seconds = [ALPHA + BETA * n for n in SIZES]
+    seconds[7] *= 3  # one size took three times the line's time
+    fit = fit_alpha_beta(SIZES, seconds)
+    residuals = fit_residuals(SIZES, seconds, fit)
+    assert max(range(len(SIZES)), key=residuals.__getitem__) == 7 and residuals[7] > 2
+    exact = {"alpha_s": ALPHA, "beta_s_per_byte": BETA}
+    assert fit_residuals(SIZES, [ALPHA + BETA * n for n in SIZES], exact) == pytest.approx([1.0] * len(SIZES))
+    assert fit_residuals([1000], [2 * (ALPHA + BETA * 1000)], exact) == pytest.approx([2.0])
+    with pytest.raises(ValueError, match="sizes but"):
+        fit_residuals(SIZES, seconds[:-1], fit)
+
+
+def test_bus_bandwidth_is_the_algorithm_bandwidth_times_2_n_minus_1_over_n():
+    assert bus_bandwidth_gb_s(0.76, 2) == pytest.approx(0.76)  # 2 ranks: the same figure
+    assert bus_bandwidth_gb_s(1.0, 4) == pytest.approx(1.5)
+    assert bus_bandwidth_gb_s(1.0, 1) == 0.0  # one rank sends nothing
+    with pytest.raises(ValueError):
+        bus_bandwidth_gb_s(1.0, 0)
 
 
 def test_predicted_communication_pays_alpha_once_per_bucket():
@@ -235,3 +258,24 @@ def test_the_benchmark_takes_its_control_with_the_threads_and_batch_of_one_of_th
     launched.clear()
     controls = benchmark.measure_controls(rows, {}, benchmark.parse_args([]))  # torchrun: 1 thread each of 2
     assert launched == [(1, 64, 1), (1, 32, 1)] and controls[2, 32]["threads"] == 1
+
+
+def test_the_benchmark_prints_each_sizes_residual_and_the_buckets_and_the_bus_bandwidth(benchmark, capsys):
+    """Hand-made timings on the line but one size, at three times it; the model's bucket twice its prediction."""
+    sizes = [4, 4096, 1 << 20]
+    seconds = [ALPHA + BETA * n for n in sizes]
+    seconds[1] *= 3
+    row = {"alpha_s": ALPHA, "beta_s_per_byte": BETA, "bandwidth_gb_s": 1 / BETA / 1e9, "sizes_bytes": sizes}
+    row |= {"seconds": seconds, "bucket_bytes": [1000], "predicted_s": 0.001, "buckets_alone_s": 0.002}
+    benchmark.print_residuals(4, row, benchmark.parse_args(["--model", "lenet"]))
+    printed = capsys.readouterr().out
+    assert "       4,096       0.156     0.052    3.00x" in printed  # 3 x (50 us + 2.048 us) against the line
+    assert "           4       0.050     0.050    1.00x" in printed
+    bucket = "lenet's 1 bucket(s), 1,000 bytes, back to back: measured 2.000 ms, fitted 1.000 ms, residual 2.00x"
+    bus = "1/beta = 2.00 GB/s of the tensor's bytes (algorithm bandwidth); x 2(N-1)/N = 3.00 GB/s bus bandwidth"
+    assert bucket in printed and bus in printed
+
+
+def test_the_benchmark_refuses_communication_only_without_two_processes(benchmark):
+    with pytest.raises(SystemExit, match="give --nproc 2 or more"):
+        benchmark.main(benchmark.parse_args(["--nproc", "1", "--communication-only"]))
