@@ -35,16 +35,16 @@ the check (and gloo runs the hook); a CPU-only build refuses it.
 
 Where each all-reduce starts. torch's ``powerSGD_hook`` chains its three all-reduces per bucket through futures: the
 second and third start in the callback of the one before, on whichever thread completes it. With gloo and several
-buckets in flight, the ranks can then start them in different orders, and gloo pairs collectives by order: measured
-here with DeepMLP's two buckets (DDP's default cap), torch's hook aborts with gloo's "Received data size doesn't
-match expected size". NCCL completes its futures when the work is queued on the stream (the value is ordered by CUDA
-events, not yet computed), so the callbacks run at once, in order, there. So on gloo, give torch's hook one bucket
-(a ``bucket_cap_mb`` above the model's gradient size). ``powersgd_hook_by_hand`` starts all three from the hook
-itself, which DDP calls bucket after bucket in the same order on every rank, and waits for the P's and the Q's
-there: any number of buckets, on any backend, at the price of blocking backward for two all-reduces per bucket. Its
-callback does element-wise work only. When it also computed P Q^T, the replicas of an in-process test drifted apart
-in 2 of about 6 runs, and in none of 8 since. The likely cause: a matrix product in a callback runs on the main
-thread on one rank and on a gloo thread on another, whose intra-op thread settings can differ (torchrun's
+buckets in flight, nothing fixes the order in which a rank starts them, and gloo pairs collectives by the order in
+which they start: two ranks can pair messages of different sizes (no test here provokes it; the course avoids it).
+NCCL completes its futures when the work is queued on the stream (``Work.get_future``'s documentation: the value is
+ordered by CUDA streams, not yet computed), so the callbacks run at once, in order, there. So on gloo, give torch's
+hook one bucket (a ``bucket_cap_mb`` above the model's gradient size). ``powersgd_hook_by_hand`` starts all three
+from the hook itself, which DDP calls bucket after bucket in the same order on every rank, and waits for the P's and
+the Q's there: any number of buckets, on any backend, at the price of blocking backward for two all-reduces per
+bucket. Its callback does element-wise work only. When it also computed P Q^T, the replicas of an in-process test
+drifted apart in 2 of about 6 runs, and in none of 8 since. The likely cause: a matrix product in a callback runs on
+the main thread on one rank and on a gloo thread on another, whose intra-op thread settings can differ (torchrun's
 OMP_NUM_THREADS=1 reaches every thread; torch.set_num_threads(1) in a process, not necessarily), and a product split
 over other threads can round differently. Element-wise work gives the same bits on any thread.
 
@@ -70,8 +70,10 @@ def allreduce_hook_by_hand(process_group, bucket: dist.GradBucket) -> torch.futu
     """DDP's own communication, as a hook: average the bucket over the ranks (``default_hooks.allreduce_hook``).
 
     Divide first, then sum: the same average, and in a narrow dtype (fp16) the sum of undivided gradients could
-    overflow. The all-reduce is asynchronous: the hook returns at once, and the future's ``then`` callback runs
-    when the sum has arrived, turning the list the all-reduce's future holds into the one tensor DDP expects.
+    overflow. The all-reduce is asynchronous: the hook returns at once, and the future's ``then`` callback turns the
+    list the all-reduce's future holds into the one tensor DDP expects. It runs when that future completes: on gloo
+    when the sum has arrived, on NCCL as soon as the all-reduce is queued, its GPU work ordered after the sum by CUDA
+    streams (the documentation of ``Work.get_future`` and ``Future.then``).
     The baseline that compression (Vogels et al. 2019) is measured against: the whole bucket travels.
     """
     group, world_size = _group_and_size(process_group)
