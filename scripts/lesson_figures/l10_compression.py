@@ -180,6 +180,51 @@ def error_feedback_loop(path: Path) -> None:
     save(fig, path)
 
 
+def where_all_reduces_start(path: Path) -> None:
+    """The order in which two ranks start their all-reduces with two buckets in flight: torch's hook on gloo, whose
+    later all-reduces start from callbacks (a possible order, drawn as an example), against the hook by hand."""
+    fig, axes = canvas(10, 4.4, xlim=10.4, ylim=5.2)
+    colours = {"U": IDLE, "P": COMMUNICATE, "Q": HOOK}
+
+    def row(y, label, order, bad=()):
+        axes.text(0.05, y + 0.25, label, fontsize=9, va="center")
+        for i, name in enumerate(order):
+            x = 1.3 + i * 0.62
+            edge = "#c03030" if i in bad else "black"
+            axes.add_patch(plt.Rectangle((x, y), 0.55, 0.5, fc=colours[name[0]], ec=edge, lw=2.2 if i in bad else 0.8))
+            axes.text(x + 0.275, y + 0.25, name, ha="center", va="center", fontsize=8)
+
+    axes.text(0.05, 4.85, "torch's powerSGD_hook on gloo: a possible order", fontsize=10, weight="bold")
+    row(3.95, "rank 0", ["U0", "P0", "U1", "Q0", "P1", "Q1"], bad=(1, 2))
+    row(3.3, "rank 1", ["U0", "U1", "P0", "Q0", "P1", "Q1"], bad=(1, 2))
+    axes.text(
+        5.2,
+        3.9,
+        "Each later all-reduce starts in the\ncallback of the one before. The\nsecond collectives pair P0 with U1:\n"
+        "different sizes (red).",
+        fontsize=8.5,
+        va="center",
+    )
+    axes.text(0.05, 2.45, "the hook by hand: the same order on every rank", fontsize=10, weight="bold")
+    row(1.55, "rank 0", ["P0", "Q0", "U0", "P1", "Q1", "U1"])
+    row(0.9, "rank 1", ["P0", "Q0", "U0", "P1", "Q1", "U1"])
+    axes.text(
+        5.2,
+        1.5,
+        "All three start in the hook, which DDP\ncalls bucket after bucket in the same\norder on every rank.",
+        fontsize=8.5,
+        va="center",
+    )
+    axes.text(
+        0.05,
+        0.3,
+        "U: the uncompressed tensors, P and Q: PowerSGD's factors; 0 and 1: the bucket. "
+        "Order of starting, left to right.",
+        fontsize=8.5,
+    )
+    save(fig, path)
+
+
 LABELS = {
     "allreduce": "plain all-reduce",
     "bf16": "bf16",
@@ -286,7 +331,7 @@ def step_time_against_link(path: Path) -> None:
     right.text(1.72, sweep["loopback"][1][0] + 0.8, "loopback, PowerSGD (median)", fontsize=8)
     right.set_xticks([2, 3, 4], ["2 Gbit/s", "3 Gbit/s", "4 Gbit/s"])
     right.set_xlim(1.7, 4.6)
-    right.set_ylim(0, sweep["loopback"][1][0] + 8)
+    right.set_ylim(0, max(high for cells in sweep.values() for _, _, high in cells) + 6)
     right.set_xlabel("link between the two nodes")
     right.set_ylabel("ms per step")
     right.set_title("The sweep: 3 rounds each (compression_link_sweep.txt)", fontsize=10)
@@ -301,5 +346,6 @@ FIGURES = {
     "10_break_even": (break_even, None),
     "10_error_feedback_loop": (error_feedback_loop, None),
     "10_bytes_and_accuracy": (bytes_and_accuracy, COMPRESSION_RESULTS),
+    "10_where_all_reduces_start": (where_all_reduces_start, None),
     "10_step_time_against_link": (step_time_against_link, SWEEP_RESULTS),
 }
