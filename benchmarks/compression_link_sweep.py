@@ -1,6 +1,6 @@
 """Where gradient compression stops paying (lesson 10): ms per step of plain all-reduce and PowerSGD, link by link.
 
-    python benchmarks/compression_link_sweep.py          # loopback, 2, 3 and 4 Gbit/s, 3 rounds: about 4 min
+    python benchmarks/compression_link_sweep.py          # loopback, 2, 3 and 4 Gbit/s, 3 rounds: about 5 min
     python benchmarks/compression_link_sweep.py --links loopback 2gbit --rounds 1
 
 Each run is one of benchmarks/gradient_compression.py's (its ``measure``: solutions/11_powersgd.py, digits, DeepMLP,
