@@ -9,7 +9,11 @@ assert. Two kinds of runs:
   buckets against the formula;
 - DDP on a small conv net: the by-hand hooks against torch's ``allreduce_hook``, ``bf16_compress_hook`` and
   ``powerSGD_hook`` with the same settings (one bucket: torch's hook needs it on gloo), a run stopped and resumed
-  from the hook's ``state_dict``, and the by-hand hook with several buckets.
+  from the hook's ``state_dict``, and the by-hand hook with several buckets;
+- what lesson 10 says beyond DDP's hooks: how gloo pairs collectives (by the order they start in: a swap of two
+  of one size adds the wrong tensors; two of different sizes abort, in a spawn of its own), FSDP2's
+  ``reduce_dtype``, and torch's post-local SGD with an explicit subgroup and ``PeriodicModelAverager``. A small
+  check without processes: a gradient of rank below r through Gram-Schmidt against QR.
 """
 
 import io
@@ -20,9 +24,12 @@ import traceback
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+from torch.distributed.algorithms.model_averaging import averagers
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.collectives import count_collectives
@@ -288,6 +295,72 @@ def frozen_and_unused_checks(env):
     return seen
 
 
+def swapped_all_reduces(env):
+    """Two all-reduces of the same size, started in opposite orders on the two ranks: what gloo sums."""
+    first, second = torch.full((10,), 1.0 + env.rank), torch.full((10,), 10.0 * (1 + env.rank))
+    for tensor in (first, second) if env.rank == 0 else (second, first):
+        dist.all_reduce(tensor)
+    return [first[0].item(), second[0].item()]
+
+
+def differently_sized_all_reduces(env):
+    """One all-reduce of 10 elements on rank 0 and of 20 on rank 1, as a pairing by order could produce."""
+    dist.all_reduce(torch.ones(10 if env.rank == 0 else 20))
+
+
+def fsdp2_reduce_scatter_bytes(env):
+    """FSDP2 on a small MLP, one backward with the default policy and one with ``reduce_dtype=torch.bfloat16``: the
+    bytes of each collective it starts, and the dtype of the gradient it leaves."""
+    out = {}
+    for name, policy in (
+        ("float32", MixedPrecisionPolicy()),
+        ("bf16", MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)),
+    ):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        fully_shard(model, mp_policy=policy)
+        X = torch.randn(8, 16, generator=torch.Generator().manual_seed(env.rank))
+        with count_collectives() as log:
+            model(X).square().sum().backward()
+        out[name] = {"reduce_scatter": log.bytes("reduce_scatter_single"), "all_gather": log.bytes("all_gather_single")}
+        out[f"{name}_grad_dtype"] = str(model[0].weight.grad.dtype)
+    return out
+
+
+def post_local_sgd_checks(env):
+    """torch's post-local SGD on 2 ranks: global all-reduce for 2 steps, then each rank alone (an explicit subgroup
+    of one rank each), with ``PeriodicModelAverager(period=3, warmup_steps=2)`` after every ``optimizer.step()``.
+    Each step's parameters, the momentum buffers at the end, and whether the default subgroup
+    (``dist.new_subgroups()``) raises here."""
+    try:
+        dist.new_subgroups()  # the hook's default subgroup; it raises before any collective without an accelerator
+        default_raised = None
+    except ValueError as error:
+        default_raised = str(error)
+    torch.manual_seed(0)
+    net = DDP(nn.Linear(6, 3))
+    subgroup, _ = dist.new_subgroups(group_size=1)
+    state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=2)
+    net.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+    averager = averagers.PeriodicModelAverager(period=3, warmup_steps=2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(env.rank)  # each rank its own data
+    steps = []
+    for _ in range(9):
+        optimizer.zero_grad(set_to_none=True)
+        net(torch.randn(4, 6, generator=generator)).square().sum().backward()
+        optimizer.step()
+        averager.average_parameters(net.parameters())
+        steps.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone())
+    momentum = torch.cat([optimizer.state[p]["momentum_buffer"].reshape(-1) for p in net.parameters()]).clone()
+    return {
+        "steps": steps,
+        "momentum": momentum,
+        "default_raised": default_raised,
+        "accelerator": torch.accelerator.is_available(),
+    }
+
+
 def every_check(env):
     """Everything the tests assert on, from one process group."""
     return {
@@ -296,6 +369,9 @@ def every_check(env):
         "resume": resume_checks(env),
         "several_buckets": several_buckets_checks(env),
         "frozen_and_unused": frozen_and_unused_checks(env),
+        "swapped": swapped_all_reduces(env),
+        "fsdp2": fsdp2_reduce_scatter_bytes(env),
+        "post_local": post_local_sgd_checks(env),
     }
 
 
@@ -498,3 +574,58 @@ def test_torchs_batched_hook_counts_one_square_matrix_then_fails_and_its_bf16_wr
     assert failed is not None and "_orthogonalize" in failed, failed
     wrapped = results[0]["ddp"]["bf16_wrapped_bytes"]
     assert wrapped["bf16"] * 2 == wrapped["float32"] > 0  # P, Q and the biases travel in bf16
+
+
+def test_a_sum_of_rank_below_r_is_far_off_with_gram_schmidt_and_exact_with_qr():
+    """One PowerSGD step at r = 2 on a gradient of rank 1: the second column of P = M Q is a multiple of the first,
+    so Gram-Schmidt normalises rounding noise, which is not orthogonal to the first column. QR's columns are
+    orthonormal whatever the input, so P P^T M = M."""
+    generator = torch.Generator().manual_seed(0)
+    gram_schmidt, qr = [], []
+    for _ in range(5):
+        M = torch.randn(16, 1, generator=generator) @ torch.randn(1, 12, generator=generator)  # rank 1
+        Q = torch.randn(12, 2, generator=generator)
+        orthogonalize(Q)
+        P = M @ Q
+        orthogonalize(P)
+        gram_schmidt.append(float((P @ (M.T @ P).T - M).norm() / M.norm()))
+        P = torch.linalg.qr(M @ Q).Q
+        qr.append(float((P @ (M.T @ P).T - M).norm() / M.norm()))
+    assert max(gram_schmidt) > 0.01, gram_schmidt
+    assert max(qr) < 1e-5, qr
+
+
+@pytest.mark.timeout(150)
+def test_gloo_pairs_collectives_by_order_a_swap_adds_the_wrong_tensors(results):
+    # rank 0 holds first = 1, second = 10; rank 1 first = 2, second = 20, and starts second first: gloo pairs
+    # rank 0's first with rank 1's second (1 + 20) and the other two (10 + 2). No error.
+    assert results[0]["swapped"] == [21.0, 12.0]
+    assert results[1]["swapped"] == [12.0, 21.0]
+
+
+@pytest.mark.timeout(90)
+def test_gloo_aborts_when_paired_all_reduces_differ_in_size():
+    # gloo's tcp transport checks the size it receives, and aborts the process (it prints "Received data size
+    # doesn't match expected size"): a rank dies of SIGABRT (exit code -6), and its peer loses the connection.
+    with pytest.raises(RuntimeError, match=r": -6\b"):
+        run_on_ranks(differently_sized_all_reduces, WORLD_SIZE, timeout=60)
+
+
+@pytest.mark.timeout(150)
+def test_fsdp2_with_a_bf16_reduce_dtype_reduce_scatters_half_the_bytes(results):
+    for rank in range(WORLD_SIZE):
+        fsdp2 = results[rank]["fsdp2"]
+        assert fsdp2["bf16"]["reduce_scatter"] * 2 == fsdp2["float32"]["reduce_scatter"] > 0, fsdp2
+        assert fsdp2["bf16"]["all_gather"] == fsdp2["float32"]["all_gather"] > 0, fsdp2  # parameters: unchanged
+        assert fsdp2["bf16_grad_dtype"] == "torch.float32", fsdp2  # the sharded gradient keeps its dtype
+
+
+@pytest.mark.timeout(150)
+def test_post_local_sgd_replicas_are_equal_after_each_averaging_and_differ_between(results):
+    zero, one = results[0]["post_local"], results[1]["post_local"]
+    equal = [torch.equal(a, b) for a, b in zip(zero["steps"], one["steps"])]
+    # steps 0 and 1: global all-reduce; from step 2, each rank alone, averaged at steps 2, 5 and 8
+    assert equal == [True, True, True, False, False, True, False, False, True], equal
+    assert not torch.equal(zero["momentum"], one["momentum"])  # only the parameters are averaged
+    if not zero["accelerator"]:  # the hook's default subgroup needs an accelerator to size itself
+        assert zero["default_raised"] is not None and "group_size" in zero["default_raised"], zero["default_raised"]
