@@ -20,8 +20,8 @@
 # PowerSGD's compression arithmetic for LeNet. It shows error feedback at work on a gradient that never changes.
 # Then it runs `solutions/11_powersgd.py`, and plots accuracy against epochs for plain all-reduce and for PowerSGD
 # with and without error feedback. Last, it measures what compression costs in compute, to say on which links it
-# pays. Every figure is measured on the machine that ran the notebook. The committed outputs come from 2 CPU cores
-# with gloo.
+# pays. Every number it prints is measured on the machine that ran the notebook. The pictures are diagrams, drawn
+# from code. The committed outputs come from 2 CPU cores with gloo.
 #
 # ![DDP hands each full bucket to the hook and waits for its future](../lessons/figures/10_hook_in_ddp.png)
 
@@ -74,10 +74,11 @@ WORK = Path(tempfile.mkdtemp(prefix="lesson10-"))  # plots and metrics go here, 
 # index, its parameters and its bytes. Then it all-reduces the bucket as DDP would. It runs for two steps of an MLP
 # of six 256 x 256 layers, 257 KiB each.
 #
-# At its first step, DDP puts every parameter in one bucket. From the second step on, it rebuilds the buckets in
-# the order in which the gradients became ready. With the default `bucket_cap_mb` of 25 MiB, the first rebuilt
-# bucket gets a smaller cap of 1 MiB. With a cap that you set, every bucket gets that cap. Here the cap is 0.3 MiB,
-# to see several buckets.
+# Without `find_unused_parameters=True`, as here, DDP puts every parameter in one bucket at its first step. It
+# rebuilds the buckets once, at the second step, in the order in which the gradients became ready. With the default
+# `bucket_cap_mb` of 25 MiB, the first rebuilt bucket gets a smaller cap of 1 MiB. With a cap that you set, every
+# bucket gets that cap. Here the cap is 0.3 MiB, to see several buckets. With `find_unused_parameters=True`, DDP
+# buckets by the caps from the start and never rebuilds, unless `static_graph=True` is set too.
 
 # %%
 recorded = run_on_ranks(ddp_buckets, 2, {"cap 0.3 MiB": {"bucket_cap_mb": 0.3}}, timeout=120)[0]["cap 0.3 MiB"]
@@ -168,14 +169,17 @@ display(Image(filename=plot))
 # %% [markdown]
 # ## 6. When compression pays
 #
-# Two quantities decide it. C is the compute that PowerSGD adds per step: the two products, the
-# orthogonalisations and `P Q^T` for every compressed matrix of LeNet at rank 2. It is timed here on one process.
-# alpha is the fixed cost of one all-reduce, fitted to gloo's times between 2 processes on this machine.
+# Two quantities decide it. C is the compute that PowerSGD adds per step. The cell below times a lower bound of it,
+# on one process: the two products, the orthogonalisation of P and `P Q^T` for every compressed matrix of LeNet at
+# rank 2. Both hooks also orthogonalise every Q at every step, and add, copy and subtract the error. The timed
+# function leaves those out. alpha is the fixed cost of one all-reduce, fitted to gloo's times between 2 processes
+# on this machine.
 #
 # The break-even bandwidth, for one bucket, is `W* = 2 (N-1)/N * (B - B_sent) / (C + 2 alpha(N))`. PowerSGD saves
-# time on links slower than W*. alpha is measured at 2 processes. For 8 and 64, it is scaled as a ring's latency,
-# N-1 times: an estimate. The saving assumes that backward hides none of the all-reduce. Lesson 09 measures how
-# much it hides. Lesson 10's section 6 measures the step time itself over emulated links of several rates.
+# time on links slower than W*. With C a lower bound, the W* printed below is an upper bound. alpha is measured at
+# 2 processes. For 8 and 64, it is scaled as a ring's latency, N-1 times: an estimate. The saving assumes that
+# backward hides none of the all-reduce. Lesson 09 measures how much it hides. Lesson 10's section 6 measures the
+# step time itself over emulated links of several rates.
 #
 # ![Illustrative step budgets on a fast and a slow link](../lessons/figures/10_break_even.png)
 
