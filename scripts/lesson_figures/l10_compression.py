@@ -35,7 +35,7 @@ def hook_in_ddp(path: Path) -> None:
         axes.text(x + 1.5, 2.82, "full", fontsize=8, va="center")
         box(axes, x + 0.4, 0.55, 2.0, 0.7, f"Future {index}", "#ffffff", 9)
         arrow(axes, (x + 1.4, 1.7), (x + 1.4, 1.3))
-        axes.text(x + 1.5, 1.5, "returns at once", fontsize=8, va="center")
+        axes.text(x + 1.3, 1.5, "returns (ideally at once)", fontsize=8, va="center", ha="right")
     box(
         axes,
         7.6,
@@ -61,7 +61,7 @@ def hook_in_ddp(path: Path) -> None:
 def powersgd_factorisation(path: Path) -> None:
     """M (n x m) ~ P (n x r) Q^T (r x m), drawn to scale for LeNet's 128 x 800 layer at r = 2, and the order of one
     compressed step: two products, each followed by an all-reduce."""
-    fig, axes = canvas(10, 4.8, xlim=10, ylim=5.6)
+    fig, axes = canvas(10, 5.0, xlim=10, ylim=5.8)
     scale = 3.6 / 800  # data units per element, so the shapes are to scale
     n, m, r = 128, 800, 2
     rank_width = max(r * scale, 0.07)  # r columns would be invisible at scale: drawn a little wider
@@ -84,25 +84,27 @@ def powersgd_factorisation(path: Path) -> None:
         ha="center",
         fontsize=10,
     )
-    steps = [
-        ("P = M Q", COMPUTE),
-        ("all-reduce P:\nsum over ranks", COMMUNICATE),
-        ("orthogonalise\nP's columns", COMPUTE),
-        ("Q = M^T P", COMPUTE),
-        ("all-reduce Q,\ndivide by N", COMMUNICATE),
-        ("P Q^T into\nthe bucket", COMPUTE),
+    steps = [  # numbered as the lesson's list of steps
+        ("2. P = M Q", COMPUTE),
+        ("2. all-reduce P:\nsum over ranks", COMMUNICATE),
+        ("3. orthogonalise\nP's columns", COMPUTE),
+        ("4. Q = M^T P", COMPUTE),
+        ("4. all-reduce Q,\ndivide by N", COMMUNICATE),
+        ("5. P Q^T into\nthe bucket", COMPUTE),
     ]
     for i, (text, colour) in enumerate(steps):
         x = 0.2 + i * 1.62
-        box(axes, x, 1.2, 1.45, 0.95, text, colour, 9)
+        box(axes, x, 1.4, 1.45, 0.95, text, colour, 8.5)
         if i:
-            arrow(axes, (x - 0.2, 1.67), (x - 0.02, 1.67))
-    axes.text(0.2, 2.45, "One compressed step, for every matrix of a bucket at once:", fontsize=10)
+            arrow(axes, (x - 0.2, 1.87), (x - 0.02, 1.87))
+    axes.text(0.2, 2.65, "Steps 2 to 5 of one compressed step, for every matrix of a bucket at once:", fontsize=10)
     axes.text(
         0.2,
-        0.55,
-        "Q starts as last step's Q (warm start) or random numbers drawn alike on every rank.\n"
-        "Orange: the two messages. Each waits for the product before it.",
+        0.65,
+        "Steps 0, 1 and 6 are local: the last error is added (0), Q starts as last step's Q or random numbers drawn\n"
+        "alike on every rank (1), and the new error is kept (6).\n"
+        "Orange: the two messages of the matrices. Each waits for the product before it. A third message carries\n"
+        "the uncompressed tensors: torch's hook sends it first, the hook by hand last.",
         fontsize=9,
         va="center",
     )
@@ -243,12 +245,14 @@ def bytes_and_accuracy(path: Path) -> None:
     sent = [rows[name]["bytes_sent_per_step"] / 2**20 for name in names]
     left.bar(range(len(names)), sent, color=[IDLE, COMPUTE, *RANK_COLOURS[:3]], edgecolor="black")
     for i, name in enumerate(names):
-        text = f"{sent[i]:.4f} MiB" if name == "allreduce" else f"{rows[name]['fewer_bytes']:.1f}x fewer"
+        text = f"{sent[i]:.4f} MiB"
+        if name != "allreduce":
+            text += f"\n{rows[name]['fewer_bytes']:.1f}x fewer"
         left.text(i, sent[i] * 1.15, text, ha="center", fontsize=8)
     left.set_yscale("log")
-    left.set_yticks([20, 50, 100, 200, 500], ["20", "50", "100", "200", "500"])
+    left.set_yticks([0.01, 0.1, 1, 10], ["0.01", "0.1", "1", "10"])
     left.minorticks_off()
-    left.set_ylim(0.01, 20)
+    left.set_ylim(0.01, 30)
     left.set_xticks(range(len(names)), [LABELS[name].replace(" r", "\nr") for name in names], fontsize=8)
     left.set_ylabel("MiB sent per step (log scale)")
     left.set_title("Bytes per step, DeepMLP", fontsize=10)
@@ -290,9 +294,9 @@ def sweep_table() -> dict[str, list[tuple[float, float, float]]]:
 
 def step_time_against_link(path: Path) -> None:
     """ms per step against the link's rate. Left: cluster_network.json's compression part, one run per configuration
-    on loopback, 1 Gbit/s and 100 Mbit/s. Right: the sweep, plain all-reduce and PowerSGD at rank 2 at 2, 3 and 4
-    Gbit/s, median and range over 3 rounds, loopback's medians as dashed lines. Two runs under different loads:
-    two panels, not one line."""
+    on loopback, 1 Gbit/s and 100 Mbit/s. Right: the sweep, plain all-reduce and PowerSGD at rank 2 at 4, 3 and 2
+    Gbit/s (slower to the right, as on the left), median and range over 3 rounds, loopback's medians as dashed lines.
+    Two runs under different loads: two panels, not one line."""
     single = json.loads(CLUSTER_RESULTS.read_text())["compression"]
     sweep = sweep_table()
     colours = {"allreduce": "black", "powersgd-r1": RANK_COLOURS[0], "powersgd-r2": RANK_COLOURS[1]}
@@ -327,12 +331,12 @@ def step_time_against_link(path: Path) -> None:
             label=f"{LABELS[config]}: median, lowest-highest",
         )
         right.axhline(sweep["loopback"][column][0], color=colours[config], lw=0.8, linestyle="--")
-    right.text(1.72, sweep["loopback"][0][0] + 0.8, "loopback, plain (median)", fontsize=8)
-    right.text(1.72, sweep["loopback"][1][0] + 0.8, "loopback, PowerSGD (median)", fontsize=8)
-    right.set_xticks([2, 3, 4], ["2 Gbit/s", "3 Gbit/s", "4 Gbit/s"])
-    right.set_xlim(1.7, 4.6)
+    right.text(4.55, sweep["loopback"][0][0] + 0.8, "loopback, plain (median)", fontsize=8)
+    right.text(4.55, sweep["loopback"][1][0] + 0.8, "loopback, PowerSGD (median)", fontsize=8)
+    right.set_xticks([4, 3, 2], ["4 Gbit/s", "3 Gbit/s", "2 Gbit/s"])
+    right.set_xlim(4.6, 1.7)  # reversed: slower to the right, as in the left panel
     right.set_ylim(0, max(high for cells in sweep.values() for _, _, high in cells) + 6)
-    right.set_xlabel("link between the two nodes")
+    right.set_xlabel("link between the two nodes (slower to the right)")
     right.set_ylabel("ms per step")
     right.set_title("The sweep: 3 rounds each (compression_link_sweep.txt)", fontsize=10)
     right.legend(fontsize=8, loc="lower left")
