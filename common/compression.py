@@ -35,16 +35,21 @@ the check (and gloo runs the hook); a CPU-only build refuses it.
 
 Where each all-reduce starts. torch's ``powerSGD_hook`` chains its three all-reduces per bucket through futures: the
 second and third start in the callback of the one before, on whichever thread completes it. With gloo and several
-buckets in flight, the ranks can then start them in different orders, and gloo pairs collectives by order: measured
-here with DeepMLP's two buckets (DDP's default cap), torch's hook aborts with gloo's "Received data size doesn't
-match expected size". NCCL completes its futures when the work is queued on the stream (the value is ordered by CUDA
-events, not yet computed), so the callbacks run at once, in order, there. So on gloo, give torch's hook one bucket
-(a ``bucket_cap_mb`` above the model's gradient size). ``powersgd_hook_by_hand`` starts all three from the hook
-itself, which DDP calls bucket after bucket in the same order on every rank, and waits for the P's and the Q's
-there: any number of buckets, on any backend, at the price of blocking backward for two all-reduces per bucket. Its
-callback does element-wise work only. When it also computed P Q^T, the replicas of an in-process test drifted apart
-in 2 of about 6 runs, and in none of 8 since. The likely cause: a matrix product in a callback runs on the main
-thread on one rank and on a gloo thread on another, whose intra-op thread settings can differ (torchrun's
+buckets in flight, nothing fixes the order in which a rank starts them, and gloo pairs collectives by the order in
+which they start: two ranks can pair the wrong messages. tests/test_compression.py shows what gloo does then (two
+swapped all-reduces of one size add the wrong tensors silently; of different sizes, the process aborts); no test
+runs torch's hook into it, and the course avoids it. NCCL completes its futures when the work is queued on the
+stream (``Work.get_future``'s documentation: the value is ordered by CUDA streams, not yet computed), so the
+callbacks run at once, in order, there. So on gloo, give torch's hook one bucket (a ``bucket_cap_mb`` above the
+model's gradient size). ``powersgd_hook_by_hand`` starts all three from the hook itself, which DDP calls bucket
+after bucket in the same order on every rank, and waits for the P's and the Q's there: any number of buckets, on
+any backend, at the price of blocking backward for two all-reduces per bucket. torch's hook waits too on NCCL:
+its callbacks run inside the hook call, each waits on the all-reduce it starts, and the last calls
+``torch.cuda.synchronize``. Only on gloo does torch's hook return at once.
+
+The callback here does element-wise work only. When it also computed P Q^T, the replicas of an in-process test
+drifted apart in 2 of about 6 runs, and in none of 8 since. The likely cause: a matrix product in a callback runs on
+the main thread on one rank and on a gloo thread on another, whose intra-op thread settings can differ (torchrun's
 OMP_NUM_THREADS=1 reaches every thread; torch.set_num_threads(1) in a process, not necessarily), and a product split
 over other threads can round differently. Element-wise work gives the same bits on any thread.
 
@@ -70,8 +75,10 @@ def allreduce_hook_by_hand(process_group, bucket: dist.GradBucket) -> torch.futu
     """DDP's own communication, as a hook: average the bucket over the ranks (``default_hooks.allreduce_hook``).
 
     Divide first, then sum: the same average, and in a narrow dtype (fp16) the sum of undivided gradients could
-    overflow. The all-reduce is asynchronous: the hook returns at once, and the future's ``then`` callback runs
-    when the sum has arrived, turning the list the all-reduce's future holds into the one tensor DDP expects.
+    overflow. The all-reduce is asynchronous: the hook returns at once, and the future's ``then`` callback turns the
+    list the all-reduce's future holds into the one tensor DDP expects. It runs when that future completes: on gloo
+    when the sum has arrived, on NCCL as soon as the all-reduce is queued, its GPU work ordered after the sum by CUDA
+    streams (the documentation of ``Work.get_future`` and ``Future.then``).
     The baseline that compression (Vogels et al. 2019) is measured against: the whole bucket travels.
     """
     group, world_size = _group_and_size(process_group)
@@ -281,7 +288,9 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
     6. orthogonalise each P (Gram-Schmidt): an orthonormal basis of the column space M's sum mostly lives in;
     7. Q = M^T P for every matrix, into one flat tensor; all-reduce it and divide by the world size (the mean);
     8. M_approx = P Q^T, written into the gradient: the mean gradient projected onto P's columns. If the summed
-       gradient has rank <= r, this is the mean gradient itself;
+       gradient has rank exactly r, this is the mean gradient itself. If its rank is below r, Gram-Schmidt's extra
+       columns are rounding noise, not orthogonal to the others, and the result can be far off (torch's QR path,
+       r > 2 in float32, does not have this problem);
     9. the new error = M - M_approx, for every gradient (the uncompressed ones too: local value minus mean).
 
     Where torch's hook and this one differ: for r > 2 torch orthogonalises with QR (Householder), this always with
@@ -289,9 +298,10 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
     rounding. The memory (errors, Q's) follows parameters, not bucket positions (see ``PowerSGDByHand.state_dict``).
     Torch's ``batch_tensors_with_same_shape`` is not here (a speed option; the results are the same).
 
-    The error is computed against the *mean* approximation, as torch and the authors' code do (the paper's
-    Algorithm 2 writes it against the decompressed value, which with an all-reduce is the mean); against this
-    rank's own P Q_i^T instead, the errors would differ per rank but sum over ranks to the same.
+    The error is computed against the *mean* approximation, as torch and the authors' code do. The paper's
+    Algorithm 2 takes each rank's error before the exchange, from its own compressed gradient: for PowerSGD, this
+    rank's own P Q_i^T, with Q_i = M_i^T P before the all-reduce. Those errors would differ per rank but sum over
+    ranks to the same.
     """
     group, world_size = _group_and_size(state.process_group)
     buffer = bucket.buffer()
@@ -309,7 +319,7 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
         for gradient, parameter in zip(gradients, parameters):
             if parameter in state.errors:
                 gradient.add_(state.errors[parameter])
-        wanted = [gradient.clone() for gradient in gradients]  # M + error: to compute the new error from
+        wanted = [gradient.clone() for gradient in gradients]  # M = gradient + error: the new error comes from it
         # END LAB
 
     # Which gradients to compress: each seen as n x m (a conv weight's trailing dimensions flattened).

@@ -94,7 +94,9 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
     6. orthogonalise each P (Gram-Schmidt): an orthonormal basis of the column space M's sum mostly lives in;
     7. Q = M^T P for every matrix, into one flat tensor; all-reduce it and divide by the world size (the mean);
     8. M_approx = P Q^T, written into the gradient: the mean gradient projected onto P's columns. If the summed
-       gradient has rank <= r, this is the mean gradient itself;
+       gradient has rank exactly r, this is the mean gradient itself. If its rank is below r, Gram-Schmidt's extra
+       columns are rounding noise, not orthogonal to the others, and the result can be far off (torch's QR path,
+       r > 2 in float32, does not have this problem);
     9. the new error = M - M_approx, for every gradient (the uncompressed ones too: local value minus mean).
 
     Where torch's hook and this one differ: for r > 2 torch orthogonalises with QR (Householder), this always with
@@ -102,9 +104,10 @@ def powersgd_hook_by_hand(state: PowerSGDByHand, bucket: dist.GradBucket) -> tor
     rounding. The memory (errors, Q's) follows parameters, not bucket positions (see ``PowerSGDByHand.state_dict``).
     Torch's ``batch_tensors_with_same_shape`` is not here (a speed option; the results are the same).
 
-    The error is computed against the *mean* approximation, as torch and the authors' code do (the paper's
-    Algorithm 2 writes it against the decompressed value, which with an all-reduce is the mean); against this
-    rank's own P Q_i^T instead, the errors would differ per rank but sum over ranks to the same.
+    The error is computed against the *mean* approximation, as torch and the authors' code do. The paper's
+    Algorithm 2 takes each rank's error before the exchange, from its own compressed gradient: for PowerSGD, this
+    rank's own P Q_i^T, with Q_i = M_i^T P before the all-reduce. Those errors would differ per rank but sum over
+    ranks to the same.
     """
     group, world_size = _group_and_size(state.process_group)
     buffer = bucket.buffer()
@@ -277,7 +280,8 @@ def train(args, env):
     data, train_iter, test_iter = make_loaders(args, env, model_class)
     set_seed(args.seed)
     model = model_class(num_classes=data.num_classes).to(env.device)
-    # On gloo torch's hook needs the model in one bucket (common/compression.py: with two it aborts).
+    # On gloo torch's hook gets the model in one bucket: with two, its chained all-reduces can start in another order
+    # on each rank (common/compression.py).
     one_bucket = args.hook == "torch-powersgd" and env.backend == "gloo"
     bucket_cap_mb = local_bytes(model.parameters()) / 2**20 + 1 if one_bucket else None
     net = DDP(model, device_ids=env.device_ids, bucket_cap_mb=bucket_cap_mb)

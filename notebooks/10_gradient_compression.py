@@ -16,11 +16,14 @@
 # %% [markdown]
 # # Lesson 10: gradient compression with DDP communication hooks
 #
-# The companion notebook of `lessons/10_gradient_compression.md`. It looks at what a hook receives from DDP,
-# prints PowerSGD's compression arithmetic for LeNet, shows error feedback at work on a gradient that never
-# changes, runs `solutions/11_powersgd.py`, plots accuracy against epochs for plain all-reduce and PowerSGD with
-# and without error feedback, and measures what compression costs in compute, to say on which links it pays.
-# Every figure is measured on the machine that ran the notebook (the committed outputs: 2 CPU cores, gloo).
+# The companion notebook of `lessons/10_gradient_compression.md`. It shows what a hook receives from DDP. It prints
+# PowerSGD's compression arithmetic for LeNet. It shows error feedback at work on a gradient that never changes.
+# Then it runs `solutions/11_powersgd.py`, and plots accuracy against epochs for plain all-reduce and for PowerSGD
+# with and without error feedback. Last, it measures what compression costs in compute, to say on which links it
+# pays. Every number it prints is measured on the machine that ran the notebook. The pictures are diagrams, drawn
+# from code. The committed outputs come from 2 CPU cores with gloo.
+#
+# ![DDP hands each full bucket to the hook and waits for its future](../lessons/figures/10_hook_in_ddp.png)
 
 # %%
 import datetime
@@ -67,12 +70,15 @@ WORK = Path(tempfile.mkdtemp(prefix="lesson10-"))  # plots and metrics go here, 
 # %% [markdown]
 # ## 1. What a hook receives
 #
-# A hook that only looks (lesson 03's `common.ddp.ddp_buckets`): it records what DDP hands it, the bucket's index,
-# its parameters and bytes, then all-reduces it as DDP would, for two steps of an MLP of six 256 x 256 layers
-# (257 KiB each).
-# At its first step DDP puts every parameter in one bucket; from the second on it rebuilds the buckets in the
-# order the gradients became ready, the first up to 1 MiB, the next up to `bucket_cap_mb` (25 MiB by default;
-# 0.3 MiB here, to see several).
+# This hook only looks. It is lesson 03's `common.ddp.ddp_buckets`. It records what DDP hands it: the bucket's
+# index, its parameters and its bytes. Then it all-reduces the bucket as DDP would. It runs for two steps of an MLP
+# of six 256 x 256 layers, 257 KiB each.
+#
+# Without `find_unused_parameters=True`, as here, DDP puts every parameter in one bucket at its first step. It
+# rebuilds the buckets once, at the second step, in the order in which the gradients became ready. With the default
+# `bucket_cap_mb` of 25 MiB, the first rebuilt bucket gets a smaller cap of 1 MiB. With a cap that you set, every
+# bucket gets that cap. Here the cap is 0.3 MiB, to see several buckets. With `find_unused_parameters=True`, DDP
+# buckets by the caps from the start and never rebuilds, unless `static_graph=True` is set too.
 
 # %%
 recorded = run_on_ranks(ddp_buckets, 2, {"cap 0.3 MiB": {"bucket_cap_mb": 0.3}}, timeout=120)[0]["cap 0.3 MiB"]
@@ -82,13 +88,18 @@ for step, buckets in enumerate(recorded["steps"]):
         print(f"  bucket {bucket['index']}: {bucket['bytes'] / 2**10:7.0f} KiB  {', '.join(bucket['parameters'])}")
 
 # %% [markdown]
-# The first step's one bucket lists the parameters in `parameters()` order; the second step's buckets, in the
-# order their gradients were ready, about the reverse (the last layer first). A hook is called once per bucket.
+# The first step's single bucket lists the parameters in `parameters()` order. The second step's buckets follow
+# the order in which the gradients were ready. That is about the reverse: the last layer first. A bucket closes
+# as soon as it reaches its cap, so it can pass the cap by one gradient: here each bucket holds two layers. A hook
+# is called once per bucket.
 #
 # ## 2. PowerSGD's arithmetic, matrix by matrix
 #
-# Each gradient is an `n x m` matrix (a conv weight `(out, in, kh, kw)` is `out x in*kh*kw`); at rank r PowerSGD
-# sends `r*(n+m)` numbers instead of `n*m`, if that is at least `min_compression_rate` (2) times fewer.
+# Each gradient is seen as an `n x m` matrix. A conv weight `(out, in, kh, kw)` is `out x in*kh*kw`. At rank r,
+# PowerSGD sends `r*(n+m)` numbers instead of `n*m`. It does so only where that is more than
+# `min_compression_rate` times fewer, here 2.
+#
+# ![LeNet's 128 x 800 gradient next to its thin P and Q](../lessons/figures/10_powersgd_factorisation.png)
 
 # %%
 MIN_COMPRESSION_RATE = 2
@@ -112,9 +123,11 @@ print("elements sent:", sent)
 # %% [markdown]
 # ## 3. Error feedback on a gradient that never changes
 #
-# Every step hands the hook the same full-rank 16 x 12 gradient (one per rank), compressed to rank 1. Plotted:
-# how far the mean of what the hook delivered so far is from the true mean gradient. Without error feedback
-# the same part is dropped at every step, and the distance stays; with it, the dropped part comes later.
+# Every step hands the hook the same full-rank 16 x 12 gradient, one per rank, compressed to rank 1. The plot shows
+# how far the mean of what the hook delivered so far is from the true mean gradient. Without error feedback, the
+# same part is dropped at every step, and the distance stays. With it, the dropped part comes later.
+#
+# ![The error-feedback loop, one step of it](../lessons/figures/10_error_feedback_loop.png)
 
 
 # %%
@@ -133,8 +146,8 @@ print(f"after {FEEDBACK_STEPS} steps: with {curves[True][-1]:.3f}, without {curv
 # %% [markdown]
 # ## 4. The solution
 #
-# LeNet on digits, 2 processes, PowerSGD rank 2 by hand from step 10. The line `step 10` counts the all-reduces
-# of the first compressed step and their bytes.
+# LeNet on digits, on 2 processes, with PowerSGD at rank 2 by hand from step 10. The line `step 10` counts the
+# all-reduces of the first compressed step, and their bytes.
 
 # %%
 printed = launch("solutions/11_powersgd.py", "--dataset", "digits", "--num-workers", "0", *RUN, nproc=2).stdout
@@ -143,8 +156,8 @@ print(printed)
 # %% [markdown]
 # ## 5. Accuracy, epoch by epoch
 #
-# `benchmarks/gradient_compression.py` with three of its configurations and one seed (the lesson's table has
-# every configuration over three seeds).
+# This runs `benchmarks/gradient_compression.py` with three of its configurations and one seed. The lesson's table
+# has every configuration over three seeds.
 
 # %%
 plot = WORK / "curves.png"
@@ -156,12 +169,19 @@ display(Image(filename=plot))
 # %% [markdown]
 # ## 6. When compression pays
 #
-# The compute PowerSGD adds per step (C): the two products, the orthogonalisations and `P Q^T` for every
-# compressed matrix of LeNet at rank 2, timed here on one process. And the latency of an all-reduce (alpha),
-# fitted to gloo's all-reduce times between 2 processes on this machine. The break-even bandwidth
-# `W* = 2 (N-1)/N * (B - B_sent) / (C + 2 alpha(N))` (one bucket): PowerSGD saves time on links slower than W*.
-# alpha is measured at 2 processes; for 8 and 64 it is scaled as a ring's latency, N-1 times: an estimate. The
-# saving assumes the all-reduce is not hidden behind backward at all (lesson 09 measures how much is).
+# Two quantities decide it. C is the compute that PowerSGD adds per step. The cell below times a lower bound of it,
+# on one process: the two products, the orthogonalisation of P and `P Q^T` for every compressed matrix of LeNet at
+# rank 2. Both hooks also orthogonalise every Q at every step, and add, copy and subtract the error. The timed
+# function leaves those out. alpha is the fixed cost of one all-reduce, fitted to gloo's times between 2 processes
+# on this machine.
+#
+# The break-even bandwidth, for one bucket, is `W* = 2 (N-1)/N * (B - B_sent) / (C + 2 alpha(N))`. PowerSGD saves
+# time on links slower than W*. With C a lower bound, the W* printed below is an upper bound. alpha is measured at
+# 2 processes. For 8 and 64, it is scaled as a ring's latency, N-1 times: an estimate. The saving assumes that
+# backward hides none of the all-reduce. Lesson 09 measures how much it hides. Lesson 10's section 6 measures the
+# step time itself over emulated links of several rates.
+#
+# ![Illustrative step budgets on a fast and a slow link](../lessons/figures/10_break_even.png)
 
 # %%
 RANK = 2

@@ -124,7 +124,8 @@ def train(args, env):
     data, train_iter, test_iter = make_loaders(args, env, model_class)
     set_seed(args.seed)
     model = model_class(num_classes=data.num_classes).to(env.device)
-    # On gloo torch's hook needs the model in one bucket (common/compression.py: with two it aborts).
+    # On gloo torch's hook gets the model in one bucket: with two, its chained all-reduces can start in another order
+    # on each rank (common/compression.py).
     one_bucket = args.hook == "torch-powersgd" and env.backend == "gloo"
     bucket_cap_mb = local_bytes(model.parameters()) / 2**20 + 1 if one_bucket else None
     net = DDP(model, device_ids=env.device_ids, bucket_cap_mb=bucket_cap_mb)
