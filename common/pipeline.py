@@ -412,7 +412,30 @@ SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}
 """The schedules by name. ``naive`` takes no ``num_microbatches``: call it as ``naive(stage, inputs, targets)``."""
 
 
-def bubble_fraction_formula(num_stages: int, num_microbatches: int) -> float:
+def schedule_order(schedule: str, rank: int, num_stages: int, num_microbatches: int = 1) -> list[tuple[str, int]]:
+    """The events rank ``rank`` runs under ``schedule`` (a name in ``SCHEDULES``), in order, as ``(kind,
+    micro-batch)`` pairs: what the schedule functions above do, written down without running them.
+
+    ``naive``: ``[("F", 0), ("B", 0)]``. ``gpipe``: every forward, then every backward, the last micro-batch's
+    first. ``1f1b``: ``min(p - r - 1, m)`` warm-up forwards, then one forward and one backward in turn, then the
+    backwards left. The figures and the replay of a schedule (``common.experiments.pipeline.replay``) read it; a
+    test checks it against the events that the schedules record.
+    """
+    if schedule == "naive":
+        return [(FORWARD, 0), (BACKWARD, 0)]
+    forwards = [(FORWARD, microbatch) for microbatch in range(num_microbatches)]
+    if schedule == "gpipe":
+        return forwards + [(BACKWARD, microbatch) for microbatch in reversed(range(num_microbatches))]
+    if schedule != "1f1b":
+        raise ValueError(f"unknown schedule {schedule!r}: pick one of {sorted(SCHEDULES)}")
+    warmup = min(num_stages - rank - 1, num_microbatches)
+    order = forwards[:warmup]
+    for microbatch in range(num_microbatches - warmup):
+        order += [forwards[warmup + microbatch], (BACKWARD, microbatch)]
+    return order + [(BACKWARD, microbatch) for microbatch in range(num_microbatches - warmup, num_microbatches)]
+
+
+def bubble_fraction_formula(num_stages: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
     """The fraction of a pipelined step that each stage spends idle: ``(p - 1) / (m + p - 1)`` (GPipe's paper).
 
     With equal stages, a micro-batch's forward taking ``t_f`` and its backward ``t_b`` on every stage (messages
@@ -420,9 +443,14 @@ def bubble_fraction_formula(num_stages: int, num_microbatches: int) -> float:
     t_b)`` in the middle and ``r t_b`` at the end, ``(p - 1)(t_f + t_b)`` in all (Narayanan et al. 2021, "Efficient
     Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2.1), so the step lasts
     ``(m + p - 1)(t_f + t_b)``, whatever the ratio of ``t_b`` to ``t_f``. GPipe and 1F1B share it; ``m = 1`` is
-    the naive schedule's ``(p - 1) / p``.
+    the naive schedule's ``(p - 1) / p``. ``num_stages`` is ``p``, the number of ranks in the pipeline.
+
+    ``stages_per_rank`` (``v``): interleaved 1F1B (the same paper, section 2.2.2) gives each rank ``v`` smaller
+    stages, so filling and draining the pipeline takes ``(p - 1)(t_f + t_b) / v``: idle ``(p - 1) / (v m)`` of the
+    work, the paper's figure, and ``(p - 1) / (v m + p - 1)`` of the step, returned here.
     """
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    fill_and_drain = (num_stages - 1) / stages_per_rank
+    return fill_and_drain / (num_microbatches + fill_and_drain)
 
 
 def measured_bubble_fraction(records: list[dict]) -> float:
