@@ -17,6 +17,7 @@ from common.experiments.pipeline import (
     ddp_buckets,
     deep_mlp_batch,
     microbatch_bytes,
+    pipeline_with_data_parallel,
     plot_timeline,
     replay,
     replay_schedule,
@@ -501,6 +502,30 @@ def test_ddps_last_bucket_holds_the_stem_and_most_of_the_gradients(torch_runs):
         assert [bucket["bytes"] for bucket in buckets] == [4_239_400, 15_810_560]
         assert sorted(buckets[0]["parameters"]) == ["blocks.3.0.bias", "blocks.3.0.weight", "head.bias", "head.weight"]
         assert "stem.1.weight" in buckets[1]["parameters"]
+
+
+@pytest.mark.slow  # 4 processes on 2 cores: about 20 s
+@pytest.mark.timeout(180)
+def test_a_pipeline_with_data_parallelism_all_reduces_once_per_step_and_equals_one_process():
+    """2 stages x 2 copies under torch's Schedule1F1B, 8 micro-batches per copy, each stage wrapped in DDP over its
+    copies: one all-reduce per stage and step (the stages are one bucket each), not one per micro-batch, and the
+    gradients of one process on the whole batch."""
+    width, depth, batch, num_microbatches = 32, 2, 32, 8
+    ranks = run_on_ranks(pipeline_with_data_parallel, 4, 2, num_microbatches, width, depth, batch, timeout=150)
+    torch.manual_seed(0)
+    model = DeepMLP(width=width, depth=depth)
+    X, y = deep_mlp_batch(batch, 0)
+    loss = F.cross_entropy(model(X), y)
+    loss.backward()
+    assert [(rank["stage"], rank["copy"]) for rank in ranks] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for rank in ranks:
+        assert rank["all_reduces"] == 1, rank["stage"]
+        assert rank["first_step_all_reduces"] == 2, rank["stage"]  # its shape-learning backward all-reduces too
+        expected = dict(stage_module(deep_mlp_layers(model), rank["stage"], 2).named_parameters())
+        for name, grad in rank["gradients"].items():
+            torch.testing.assert_close(grad, expected[name].grad, msg=f"stage {rank['stage']}, {name}")
+    copies_mean = (ranks[1]["loss"] + ranks[3]["loss"]) / 2  # each copy's mean loss on half the batch
+    torch.testing.assert_close(copies_mean, loss.detach())
 
 
 def test_saved_activation_bytes_counts_each_saved_tensor_once_and_no_parameters():

@@ -483,3 +483,63 @@ def ddp_buckets(env, width: int, depth: int, batch: int) -> list[dict]:
         launched.clear()
         _timed_data_parallel_step(env, model, optimizer, batch, step)
     return launched
+
+
+def pipeline_with_data_parallel(env, num_stages: int, num_microbatches: int, width: int, depth: int, batch: int):
+    """A step of torch's ``Schedule1F1B`` with data parallelism: ``world_size / num_stages`` copies of a pipeline
+    of ``num_stages`` stages of ``DeepMLP(width, depth)`` (seed 0), each copy on its share of the batch. Rank ``r``
+    is stage ``r % num_stages`` of copy ``r // num_stages``. Each stage's module is wrapped in DDP over the ranks
+    that hold the same stage, and torch's stage runs every backward but the last under ``no_sync()``.
+
+    Two steps run on the same batch, without an optimizer step. The first one also learns the shapes the stages
+    exchange, with a backward of its own. The second one's figures are returned: this rank's stage and copy, how
+    many all-reduces its DDP ran (a communication hook counts them, then averages as DDP does; the first step's
+    count too), its gradients by name, and the loss on a last stage (its copy's mean, else ``None``)."""
+    copies = env.world_size // num_stages
+    stage_index, copy = env.rank % num_stages, env.rank // num_stages
+    # Every rank creates every group, in the same order: a pipeline's stages, and each stage's copies.
+    pipelines = [dist.new_group([c * num_stages + s for s in range(num_stages)]) for c in range(copies)]
+    same_stage = [dist.new_group([c * num_stages + s for c in range(copies)]) for s in range(num_stages)]
+    torch.manual_seed(0)
+    layers = deep_mlp_layers(DeepMLP(width=width, depth=depth))
+    module = stage_module(layers, stage_index, num_stages)
+    replicated = DistributedDataParallel(module, process_group=same_stage[stage_index])
+    all_reduces = []
+
+    def count_and_average(_, bucket):
+        all_reduces.append(bucket.buffer().numel())
+        work = dist.all_reduce(bucket.buffer().div_(copies), group=same_stage[stage_index], async_op=True)
+        return work.get_future().then(lambda future: future.value()[0])
+
+    replicated.register_comm_hook(None, count_and_average)
+    start, _ = stage_bounds(len(layers), num_stages)[stage_index]
+    with torch.no_grad():
+        sample_shape = nn.Sequential(*layers[:start])(torch.zeros(1, *DeepMLP.input_shape)).shape[1:]
+    rows = batch // copies // num_microbatches
+    example = torch.empty(rows, *sample_shape)
+    pipe_stage = PipelineStage(
+        replicated, stage_index, num_stages, torch.device("cpu"), input_args=example, group=pipelines[copy]
+    )
+    schedule = Schedule1F1B(pipe_stage, num_microbatches, loss_fn=F.cross_entropy)
+    X, y = deep_mlp_batch(batch, 0)
+    X, y = X.chunk(copies)[copy], y.chunk(copies)[copy]
+    counts = []  # all-reduces per step; the first step also learns the shapes, with a backward of its own
+    for _ in range(2):
+        all_reduces.clear()
+        module.zero_grad(set_to_none=True)
+        losses = []
+        if pipe_stage.is_first:
+            schedule.step(X)
+        elif pipe_stage.is_last:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        counts.append(len(all_reduces))
+    return {
+        "stage": stage_index,
+        "copy": copy,
+        "all_reduces": counts[1],
+        "first_step_all_reduces": counts[0],
+        "gradients": {name: p.grad.clone() for name, p in module.named_parameters()},
+        "loss": torch.stack(losses).mean().detach() if losses else None,
+    }
