@@ -19,11 +19,11 @@
 # This is the companion notebook of `lessons/11_pipeline_parallelism.md`. It runs the three schedules of
 # `common/pipeline.py` (naive, GPipe and 1F1B) on DeepMLP cut into 2 stages, one stage per process. You will see:
 #
-# 1. each stage's timeline;
-# 2. the bubble, the idle share of the step, measured against the formula `(p-1)/(m+p-1)`;
-# 3. the activations each stage holds;
-# 4. the throughput against data parallelism on the same two processes;
-# 5. torch's own `torch.distributed.pipelining` computing the same gradients.
+# 1. each stage's timeline
+# 2. the bubble, the idle share of the step, measured against the formula `(p-1)/(m+p-1)`
+# 3. the activations each stage holds
+# 4. the throughput against data parallelism on the same two processes
+# 5. torch's own `torch.distributed.pipelining` computing the same gradients
 #
 # Every figure is measured on the machine that ran the notebook. The committed outputs come from 2 CPU cores, one
 # process per core, talking over gloo. `common.launch.run_on_ranks` starts the processes. It needs the functions it
@@ -188,10 +188,10 @@ plt.show()
 # A micro-batch's activations stay alive from its forward to its backward. GPipe runs every forward before any
 # backward, so each stage holds all m micro-batches. 1F1B holds at most `min(m, p - rank)`.
 #
-# Each schedule measures the bytes a stage holds at its peak (`peak_activation_bytes`, from
-# `common.pipeline.ActivationMemory`). Two kinds of tensors count, each piece of memory once:
+# Each schedule measures the bytes a stage holds at its peak, as `peak_activation_bytes`, with
+# `common.pipeline.ActivationMemory`. Two kinds of tensors count, each piece of memory once:
 #
-# - the tensors autograd saved for the backward, from when they are saved until the backward frees them;
+# - the tensors autograd saved for the backward, from when they are saved until the backward frees them
 # - the message buffers still referenced: received inputs and gradients, and sent tensors whose send's handle is
 #   still kept.
 #

@@ -189,7 +189,7 @@ def test_the_compression_benchmark_prints_a_row_per_configuration_and_powersgd_s
     assert all(len(run["test_accuracy"]) == 1 for run in figures["runs"]) and plot.stat().st_size > 0
 
 
-@pytest.mark.slow  # two processes run 11 schedules for a few steps: about 20 s on 2 cores
+@pytest.mark.slow  # two processes run 11 schedules for a few steps: about 10 s on 2 cores, more under load
 def test_the_pipeline_benchmark_prints_a_row_per_schedule_and_ddp():
     run = torchrun(
         "benchmarks/pipeline_schedules.py",
