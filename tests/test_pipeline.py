@@ -6,6 +6,8 @@ batch with the whole model, the activations each stage held at once, the order o
 messages sent, and a timeline whose causality the shared clock must show.
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -208,6 +210,33 @@ def test_a_tensor_handed_to_isend_is_held_until_the_sends_handle_is_dropped():
     send work keeps the tensor, even after ``wait()``."""
     held = run_on_ranks(send_and_watch, 2, timeout=45)[0]
     assert held == [256 * 4, 256 * 4, 0]
+
+
+RECEIVER_SLEEPS = 1.0  # seconds before rank 1 posts its receive
+
+
+def time_a_blocking_send(env) -> list[float]:
+    """Rank 0 sends with ``dist.send`` (blocking), once with 1 element and once with 1M: the seconds each send took.
+    Rank 1 sleeps ``RECEIVER_SLEEPS`` before each receive; a barrier starts both rounds together."""
+    times = []
+    for numel in (1, 2**20):
+        dist.barrier()
+        if env.rank == 1:
+            time.sleep(RECEIVER_SLEEPS)
+            dist.recv(torch.empty(numel), src=0)
+            continue
+        start = time.perf_counter()
+        dist.send(torch.ones(numel), dst=1)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+@pytest.mark.timeout(60)
+def test_a_blocking_gloo_send_returns_only_once_the_receiver_posts_its_receive():
+    """Why the schedules send with ``isend``: on gloo, ``dist.send`` waits until the peer gets to its ``recv``, even
+    for one element, so two blocking sends that face each other (1F1B's steady state) would wait forever."""
+    seconds = run_on_ranks(time_a_blocking_send, 2, timeout=45)[0]
+    assert all(took > 0.8 * RECEIVER_SLEEPS for took in seconds), seconds
 
 
 def expected_one_f_one_b(world_size: int, rank: int) -> list[str]:
@@ -520,7 +549,8 @@ def test_a_pipeline_with_data_parallelism_all_reduces_once_per_step_and_equals_o
     assert [(rank["stage"], rank["copy"]) for rank in ranks] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     for rank in ranks:
         assert rank["all_reduces"] == 1, rank["stage"]
-        assert rank["first_step_all_reduces"] == 2, rank["stage"]  # its shape-learning backward all-reduces too
+        # The shape-learning forward runs the DDP module outside no_sync, so micro-batch 0's backward all-reduces too
+        assert rank["first_step_all_reduces"] == 2, rank["stage"]
         expected = dict(stage_module(deep_mlp_layers(model), rank["stage"], 2).named_parameters())
         for name, grad in rank["gradients"].items():
             torch.testing.assert_close(grad, expected[name].grad, msg=f"stage {rank['stage']}, {name}")

@@ -492,9 +492,13 @@ def pipeline_with_data_parallel(env, num_stages: int, num_microbatches: int, wid
     that hold the same stage, and torch's stage runs every backward but the last under ``no_sync()``.
 
     Two steps run on the same batch, without an optimizer step. The first one also learns the shapes the stages
-    exchange, with a backward of its own. The second one's figures are returned: this rank's stage and copy, how
-    many all-reduces its DDP ran (a communication hook counts them, then averages as DDP does; the first step's
-    count too), its gradients by name, and the loss on a last stage (its copy's mean, else ``None``)."""
+    exchange, with a forward and a backward of its own. That forward runs the DDP module outside ``no_sync()``, so
+    DDP prepares to reduce (``_post_forward``), and micro-batch 0's backward all-reduces too, though torch runs it
+    under ``no_sync()`` (the shape-learning backward asks only for the input's gradient and reduces nothing). The
+    second step's figures are returned: this rank's stage and copy, how many all-reduces its DDP ran (a
+    communication hook counts them, then averages as DDP does; the first step's count too), its gradients by name,
+    and the loss on a last stage (its copy's mean, else ``None``). DDP all-reduces once per bucket: a stage small
+    enough for one bucket all-reduces once per step."""
     copies = env.world_size // num_stages
     stage_index, copy = env.rank % num_stages, env.rank // num_stages
     # Every rank creates every group, in the same order: a pipeline's stages, and each stage's copies.
@@ -523,7 +527,9 @@ def pipeline_with_data_parallel(env, num_stages: int, num_microbatches: int, wid
     schedule = Schedule1F1B(pipe_stage, num_microbatches, loss_fn=F.cross_entropy)
     X, y = deep_mlp_batch(batch, 0)
     X, y = X.chunk(copies)[copy], y.chunk(copies)[copy]
-    counts = []  # all-reduces per step; the first step also learns the shapes, with a backward of its own
+    # All-reduces per step. The first step also learns the shapes: its shape-learning forward, outside no_sync,
+    # makes micro-batch 0's backward all-reduce too.
+    counts = []
     for _ in range(2):
         all_reduces.clear()
         module.zero_grad(set_to_none=True)
