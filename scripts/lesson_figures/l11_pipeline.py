@@ -64,7 +64,7 @@ def draw_timeline(axes, records: list[dict], title: str, colour_by_stage: bool =
 def stages_and_messages(path: Path) -> None:
     """Three stages on three ranks; an activation forward and a gradient back at each boundary."""
     fig, axes = canvas(9.5, 3.4, xlim=10.5, ylim=3.8)
-    contents = ["stem, block 1", "block 2, block 3", "block 4, head"]
+    contents = ["stem, block 0", "block 1, block 2", "block 3, head"]  # stage_bounds(6, 3) of DeepMLP's layers
     for rank, x in enumerate((1.0, 4.2, 7.4)):
         box(axes, x, 1.0, 2.2, 1.5, f"stage {rank}\n(rank {rank})\n\n{contents[rank]}", RANK_COLOURS[rank] + "55")
     axes.text(0.45, 1.75, "X", fontsize=12, ha="center", va="center", weight="bold")
@@ -83,7 +83,9 @@ def stages_and_messages(path: Path) -> None:
         ha="center",
         fontsize=10,
     )
-    axes.text(5.25, 0.2, "b: samples in a micro-batch, d: width of the boundary", ha="center", fontsize=8)
+    axes.text(
+        5.25, 0.2, "b: samples sent through together (a micro-batch), d: width of the boundary", ha="center", fontsize=8
+    )
     save(fig, path)
 
 
@@ -180,17 +182,34 @@ def activations_held(path: Path) -> None:
     save(fig, path)
 
 
+def stage_zero_waits(records: list[dict]) -> list[tuple[float, float]]:
+    """``(start, end)`` of each wait of stage 0 between two of its events."""
+    events = sorted(next(r for r in records if r["rank"] == 0)["events"], key=lambda event: event["start"])
+    return [(a["end"], b["start"]) for a, b in zip(events, events[1:]) if b["start"] - a["end"] > 1e-9]
+
+
 def unequal_stages(path: Path) -> None:
-    """GPipe against 1F1B on 2 stages, m = 4, stage 0 a fifth slower than stage 1 (illustrative)."""
+    """GPipe against 1F1B on 2 stages, m = 4, stage 0 a fifth slower than stage 1 (illustrative), each of stage 0's
+    waits marked with its length: GPipe's one wait, a forward and a backward of stage 1, against 1F1B's two."""
     seconds = {FORWARD: [1.2, 1.0], BACKWARD: [2.4, 2.0]}
-    fig, panels = plt.subplots(2, 1, figsize=(9.5, 3.8), sharex=True)
+    fig, panels = plt.subplots(2, 1, figsize=(9.5, 4.0), sharex=True)
     for axes, (schedule, title) in zip(panels, (("gpipe", "GPipe"), ("1f1b", "1F1B"))):
-        draw_timeline(axes, replay_schedule(schedule, 2, 4, seconds), f"{title}, m = 4")
+        records = replay_schedule(schedule, 2, 4, seconds)
+        draw_timeline(axes, records, f"{title}, m = 4")
+        waits = stage_zero_waits(records)
+        for start, end in waits:
+            axes.annotate("", xy=(end, -0.05), xytext=(start, -0.05), arrowprops={"arrowstyle": "<->", "lw": 1.0})
+            label = f"waits {end - start:.1f}" if end - start > 1.5 else f"{end - start:.1f}"  # a short one: no room
+            axes.text((start + end) / 2, 0.2, label, ha="center", va="center", fontsize=8)
+        total = sum(end - start for start, end in waits)
+        axes.text(1.0, 1.02, f"stage 0 waits {total:.1f} in all", transform=axes.transAxes, ha="right", fontsize=9)
     span = max(e["end"] for r in replay_schedule("gpipe", 2, 4, seconds) for e in r["events"])
     for axes in panels:
         axes.set_xlim(0, span)
     panels[-1].set_xlabel(
-        "time (illustrative: stage 0 a fifth slower than stage 1, messages free); grey: the bubble", fontsize=9
+        "time (illustrative units: stage 0's F 1.2 and B 2.4, stage 1's F 1.0 and B 2.0, messages free);"
+        " grey: the bubble",
+        fontsize=9,
     )
     fig.tight_layout()
     save(fig, path)
@@ -236,17 +255,29 @@ def interleaved_and_zero_bubble(path: Path) -> None:
     for axes in panels:
         axes.set_xlim(0, span)
     handles = [plt.Rectangle((0, 0), 1, 1, fc=RANK_COLOURS[s], ec="black") for s in range(4)]
-    fig.legend(handles, [f"stage {s}" for s in range(4)], loc="lower center", ncol=4, fontsize=8)
+    handles.append(plt.Rectangle((0, 0), 1, 1, fc="white", ec="black", hatch="//"))
+    labels = [f"stage {s}" for s in range(4)] + ["W: a weight gradient"]
+    fig.legend(
+        handles,
+        labels,
+        loc="lower center",
+        ncol=5,
+        fontsize=8,
+        title_fontsize=8,
+        title="label: the kind of event and the micro-batch; colour: the stage",
+    )
     panels[-1].set_xlabel(
-        "time (illustrative: equal stages, a rank's work the same in all three, B = 2 F, I = W = F); grey: the bubble",
+        "time (illustrative: equal stages, a rank's work the same in all three, B = 2 F, I = W = F,"
+        " stage 0's I included); grey: the bubble",
         fontsize=9,
     )
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     save(fig, path)
 
 
 def pipeline_and_data_parallel(path: Path) -> None:
-    """4 ranks: 2 pipelines of 2 stages; the two copies of each stage all-reduce after the last micro-batch."""
+    """4 ranks: 2 pipelines of 2 stages; the two copies of each stage all-reduce in the last micro-batch's
+    backward."""
     fig, axes = canvas(9, 4.2, xlim=10, ylim=5.2)
     axes.set_ylim(0.5, 5.2)
     for copy, y in enumerate((3.0, 0.8)):
@@ -260,7 +291,8 @@ def pipeline_and_data_parallel(path: Path) -> None:
         axes.text(5.2, y + 0.28, "gradients", ha="center", va="top", fontsize=8, color="#b03020")
     for x in (3.0, 7.4):
         arrow(axes, (x, 2.95), (x, 1.95), colour="#555555", style="<->")
-        axes.text(x + 0.12, 2.45, "all-reduce gradients,\nonce, after the last\nmicro-batch", fontsize=8, va="center")
+        label = "all-reduce gradients\nduring the last\nmicro-batch's backward"
+        axes.text(x + 0.12, 2.45, label, fontsize=8, va="center")
     axes.text(
         5.0,
         4.85,
