@@ -114,9 +114,13 @@ print(f"load average (1 min): {load_before:.1f} before the timed runs, {load_aft
 # is a forward (F, light) or a backward (B, dark) of one micro-batch. A box runs from the moment its computation
 # started to the moment it ended, so waiting for a message is not in the box. The white is the bubble.
 #
-# - Naive: stage 1 waits for stage 0's whole forward. Then stage 0 waits for stage 1's backward.
+# - Naive: stage 1 waits for stage 0's whole forward. Then stage 0 waits while stage 1 runs its forward and its
+#   backward.
 # - GPipe: all forwards, then all backwards, the last micro-batch's first.
 # - 1F1B: stage 0 runs one forward ahead, then alternates. Stage 1 alternates from the start.
+#
+# One step can be far from typical on a loaded machine. Naive runs its events one after another, so the naive step
+# printed below lasted at least the sum of its two busy times, over twice the median naive step of section 4.
 #
 # The lesson draws the same schedules on 4 equal stages:
 #
@@ -175,11 +179,12 @@ plt.show()
 #   section 5 quotes, no m made the step shorter than m = 1's. The formula's promise, a smaller bubble for more
 #   micro-batches, holds only while each micro-batch computes for much longer than its messages take.
 # - **Unequal stages.** DeepMLP's first stage holds the 784-wide input layer, and the last one the head and the loss.
-#   In the GPipe and 1F1B timelines of section 1, stage 0 was the busier one. The formula gives GPipe and 1F1B the
-#   same bubble, but only for equal stages. When the first stage is the slower one, GPipe makes it wait for a whole
-#   micro-batch of stage 1 between its forwards and its backwards. 1F1B fills that wait with stage 0's own work. That
-#   is why GPipe's bubble came out above 1F1B's from m = 2 on. The lesson's benchmark replays its own runs with
-#   their event times and free messages, and finds the same order.
+#   In the GPipe and 1F1B steps shown in section 1, stage 0 was the busier one. The formula, and the equality of
+#   GPipe's and 1F1B's bubbles, assume equal stages. When the first stage is the slower one, GPipe makes it wait for
+#   a whole micro-batch of stage 1 between its forwards and its backwards. 1F1B fills most of that wait with stage
+#   0's own work. That explains why GPipe's bubble came out above 1F1B's from m = 2 on, but only part of the gap.
+#   The lesson's benchmark replays its own runs with their event times and free messages. The replay gives the same
+#   order and a smaller gap: the rest is the messages and the waits around them.
 #
 # ![GPipe against 1F1B on 2 stages when stage 0 is slower](../lessons/figures/11_unequal_stages.png)
 #
@@ -233,14 +238,16 @@ for run in ("naive/m=1", "gpipe/m=8", "1f1b/m=8", "ddp"):
     print(f"{run:<10} {seconds * 1e3:6.0f} ms per step  {BATCH / seconds:7.0f} samples/s")
 
 # %% [markdown]
-# DDP keeps both processes computing for the whole step. It only all-reduces the gradients, one message per
-# bucket. Little of that overlaps the backward here. After its first step, DDP packs this model's gradients into
+# DDP has no bubble: both processes compute the whole forward and backward. It adds one all-reduce per bucket, and
+# little of it overlaps the backward here. After its first step, DDP packs this model's gradients into
 # two buckets: about 4 MiB for the head and the last block, and about 15 MiB for the rest. The second one holds the
 # stem, whose gradient is the backward's last. So most of the bytes start to travel only when the backward ends.
 #
 # The pipeline loses its bubble and pays two messages per micro-batch. When the model fits on one device, data
 # parallelism is usually the faster way to use two. In this run DDP beat both pipelines of 8 micro-batches, though
-# not the naive one, and on this loaded machine that order moves from run to run. A pipeline is for a model that
+# not the naive one, and on this loaded machine that order moves from run to run. Naive computes on one process at
+# a time, so its two processes never compete for the loaded cores. That may explain its speed here, but this run
+# does not test it. A pipeline is for a model that
 # does not fit, or for links too slow to all-reduce every gradient. Then it is combined with data parallelism,
 # each stage replicated, not chosen instead of it.
 #
