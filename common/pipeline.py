@@ -16,8 +16,9 @@ order that work, each one optimizer step's forward and backward:
   DNN Training", https://arxiv.org/abs/2006.09503): the same work in another order. Stage ``r`` runs ``p - r - 1``
   warm-up forwards, then alternates one forward and one backward, then finishes the backwards left (cool-down). A
   micro-batch's activations are freed as soon as its backward has run, so stage ``r`` holds at most ``min(m, p -
-  r)`` micro-batches instead of ``m``; the bubble is the same as GPipe's. That takes waiting for each send before
-  its micro-batch's backward: a send's handle keeps the tensor it sends.
+  r)`` micro-batches instead of ``m``. On equal stages the bubble is the same as GPipe's; on unequal stages 1F1B
+  can idle less (lesson 11, section 3). That takes waiting for each send before its micro-batch's backward: a
+  send's handle keeps the tensor it sends.
 
 All three compute the gradients of one process that trains on the whole batch with the whole model (up to float
 rounding: the sums run in another order): each
@@ -251,8 +252,8 @@ class _StepState:
         self.loss = torch.zeros((), device=stage.device) if stage.is_last else None
 
     def send(self, tensor: torch.Tensor, dst: int, what: str, microbatch: int) -> None:
-        # isend, not send: gloo's blocking send waits until the peer posts the matching recv (measured: a send
-        # returns only when the receiver gets to it). In 1F1B's steady state stage r sends an activation forward
+        # isend, not send: gloo's blocking send waits until the peer posts the matching recv (tests/test_pipeline.py
+        # times a send to a receiver that sleeps first). In 1F1B's steady state stage r sends an activation forward
         # while stage r + 1 sends a gradient back; two blocking sends facing each other would wait forever.
         # Receives stay blocking: a stage cannot compute before its input is there.
         self.memory.hold(tensor, tensor)
@@ -394,7 +395,8 @@ def one_f_one_b(stage: Stage, num_microbatches: int, inputs=None, targets=None, 
     come straight back. Then it alternates one forward and one backward (steady state), and ends with the
     backwards left (cool-down). The micro-batches' backwards run in order 0, 1, ...; a micro-batch's activations are
     freed by its backward, so stage ``r`` holds at most ``min(m, p - r)`` of them, where GPipe holds ``m``. The
-    work and the one optimizer step are GPipe's, and so is the bubble. Arguments and result as ``naive``.
+    work and the one optimizer step are GPipe's, and so is the bubble on equal stages; on unequal stages 1F1B can
+    idle less (lesson 11, section 3). Arguments and result as ``naive``.
     """
     state = _StepState(stage, num_microbatches, inputs, targets, loss_fn)
     warmup = min(stage.world_size - stage.rank - 1, num_microbatches)
@@ -412,17 +414,45 @@ SCHEDULES = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b}
 """The schedules by name. ``naive`` takes no ``num_microbatches``: call it as ``naive(stage, inputs, targets)``."""
 
 
-def bubble_fraction_formula(num_stages: int, num_microbatches: int) -> float:
+def schedule_order(schedule: str, rank: int, num_stages: int, num_microbatches: int = 1) -> list[tuple[str, int]]:
+    """The events rank ``rank`` runs under ``schedule`` (a name in ``SCHEDULES``), in order, as ``(kind,
+    micro-batch)`` pairs: what the schedule functions above do, written down without running them.
+
+    ``naive``: ``[("F", 0), ("B", 0)]``. ``gpipe``: every forward, then every backward, the last micro-batch's
+    first. ``1f1b``: ``min(p - r - 1, m)`` warm-up forwards, then one forward and one backward in turn, then the
+    backwards left. The figures and the replay of a schedule (``common.experiments.pipeline.replay``) read it; a
+    test checks it against the events that the schedules record.
+    """
+    if schedule == "naive":
+        return [(FORWARD, 0), (BACKWARD, 0)]
+    forwards = [(FORWARD, microbatch) for microbatch in range(num_microbatches)]
+    if schedule == "gpipe":
+        return forwards + [(BACKWARD, microbatch) for microbatch in reversed(range(num_microbatches))]
+    if schedule != "1f1b":
+        raise ValueError(f"unknown schedule {schedule!r}: pick one of {sorted(SCHEDULES)}")
+    warmup = min(num_stages - rank - 1, num_microbatches)
+    order = forwards[:warmup]
+    for microbatch in range(num_microbatches - warmup):
+        order += [forwards[warmup + microbatch], (BACKWARD, microbatch)]
+    return order + [(BACKWARD, microbatch) for microbatch in range(num_microbatches - warmup, num_microbatches)]
+
+
+def bubble_fraction_formula(num_stages: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
     """The fraction of a pipelined step that each stage spends idle: ``(p - 1) / (m + p - 1)`` (GPipe's paper).
 
     With equal stages, a micro-batch's forward taking ``t_f`` and its backward ``t_b`` on every stage (messages
     free), a stage is busy ``m (t_f + t_b)`` per step; stage r waits ``r t_f`` at the start, ``(p - 1 - r)(t_f +
     t_b)`` in the middle and ``r t_b`` at the end, ``(p - 1)(t_f + t_b)`` in all (Narayanan et al. 2021, "Efficient
     Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2.1), so the step lasts
-    ``(m + p - 1)(t_f + t_b)``, whatever the ratio of ``t_b`` to ``t_f``. GPipe and 1F1B share it; ``m = 1`` is
-    the naive schedule's ``(p - 1) / p``.
+    ``(m + p - 1)(t_f + t_b)``, whatever the ratio of ``t_b`` to ``t_f``. GPipe and 1F1B share it on equal stages;
+    ``m = 1`` is the naive schedule's ``(p - 1) / p``. ``num_stages`` is ``p``, the number of ranks in the pipeline.
+
+    ``stages_per_rank`` (``v``): interleaved 1F1B (the same paper, section 2.2.2) gives each rank ``v`` smaller
+    stages, so filling and draining the pipeline takes ``(p - 1)(t_f + t_b) / v``: idle ``(p - 1) / (v m)`` of the
+    work, the paper's figure, and ``(p - 1) / (v m + p - 1)`` of the step, returned here.
     """
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    fill_and_drain = (num_stages - 1) / stages_per_rank
+    return fill_and_drain / (num_microbatches + fill_and_drain)
 
 
 def measured_bubble_fraction(records: list[dict]) -> float:
@@ -433,9 +463,10 @@ def measured_bubble_fraction(records: list[dict]) -> float:
     sending is asynchronous); its idle fraction is ``1 - busy / span``. The result is the mean over ranks, which is
     what ``bubble_fraction_formula`` predicts when stages are equal and messages free. Real stages are not equal
     (DeepMLP's first and last stages hold the larger layers and the loss) and messages take time, so the measured
-    fraction sits above the formula's, the more so as micro-batches shrink: each message costs about the same time
-    however small, and a smaller micro-batch computes for less (notebooks/11_pipeline_parallelism.ipynb measures
-    it for m = 1 to 16 on two CPU cores with gloo).
+    fraction usually sits above the formula's, the more so as micro-batches shrink: each message costs about the
+    same time however small, and a smaller micro-batch computes for less (notebooks/11_pipeline_parallelism.ipynb
+    measures it for m = 1 to 16 on two CPU cores with gloo). Unequal stages can also bring 1F1B's below it: with a
+    slower first stage, 1F1B at m = 2 measured 0.30 against the formula's 0.33 there.
 
     The ranks' times are comparable because ``time.perf_counter`` reads the machine's monotonic clock on Linux,
     shared by the processes on one machine; records from several machines would not share a time axis.

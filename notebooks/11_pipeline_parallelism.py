@@ -16,19 +16,24 @@
 # %% [markdown]
 # # Lesson 11: pipeline parallelism
 #
-# The companion notebook of `lessons/11_pipeline_parallelism.md`. It runs the schedules of `common/pipeline.py`
-# (naive, GPipe, 1F1B) on DeepMLP cut into 2 stages, one per process, and shows what they do: each stage's
-# timeline, the bubble measured against the formula `(p-1)/(m+p-1)`, the activations each stage holds, the
-# throughput against data parallelism on the same two processes, and torch's own `torch.distributed.pipelining`
-# computing the same gradients. Every figure is measured on the machine that ran the notebook (the committed
-# outputs: 2 CPU cores, one process per core, gloo); the processes are started by `common.launch.run_on_ranks`,
-# which needs the functions it runs in a module, so they are in `common/experiments/pipeline.py`.
+# This is the companion notebook of `lessons/11_pipeline_parallelism.md`. It runs the three schedules of
+# `common/pipeline.py` (naive, GPipe and 1F1B) on DeepMLP cut into 2 stages, one stage per process. You will see:
 #
-# All the timed runs share one process group and are interleaved (`time_runs`): round after round, one step of
-# each. Other work on the machine then slows one step of every run rather than every step of one, and the medians
-# over the rounds compare the runs fairly. Fairly, not fast: on a machine whose load average (printed below) is
-# above its number of cores, other work shares the cores and every time is longer and noisier. The bytes of
-# section 3 do not depend on the load.
+# 1. each stage's timeline
+# 2. the bubble, the idle share of the step, measured against the formula `(p-1)/(m+p-1)`
+# 3. the activations each stage holds
+# 4. the throughput against data parallelism on the same two processes
+# 5. torch's own `torch.distributed.pipelining` computing the same gradients
+#
+# Every figure is measured on the machine that ran the notebook. The committed outputs come from 2 CPU cores, one
+# process per core, talking over gloo. `common.launch.run_on_ranks` starts the processes. It needs the functions it
+# runs to live in a module, so they are in `common/experiments/pipeline.py`.
+#
+# All the timed runs share one process group, and `time_runs` interleaves them: round after round, one step of
+# each. Other work on the machine then slows one step of every run, not every step of one run. So the medians
+# over the rounds compare the runs fairly. Fairly, but not fast. When the load average printed below is above the
+# number of cores, other work shares the cores, and every time is longer and noisier. The bytes of section 3 do
+# not depend on the load.
 
 # %%
 import datetime
@@ -105,11 +110,21 @@ print(f"load average (1 min): {load_before:.1f} before the timed runs, {load_aft
 # %% [markdown]
 # ## 1. Each stage's timeline
 #
-# One step of each run (the one with the median bubble) as each stage spent it: a box per forward (F, light) or
-# backward (B, dark) of a micro-batch, from the moment its computation started to the moment it ended (waiting
-# for a message is not in the box). The white is the bubble. Naive: stage 1 waits for stage 0's whole forward,
-# then stage 0 for stage 1's backward. GPipe: all forwards, then all backwards, the last micro-batch's first.
-# 1F1B: stage 0 runs one forward ahead, then alternates; stage 1 alternates from the start.
+# Here is one step of each run, as each stage spent it. The step shown is the one with the median bubble. Each box
+# is a forward (F, light) or a backward (B, dark) of one micro-batch. A box runs from the moment its computation
+# started to the moment it ended, so waiting for a message is not in the box. The white is the bubble.
+#
+# - Naive: stage 1 waits for stage 0's whole forward. Then stage 0 waits while stage 1 runs its forward and its
+#   backward.
+# - GPipe: all forwards, then all backwards, the last micro-batch's first.
+# - 1F1B: stage 0 runs one forward ahead, then alternates. Stage 1 alternates from the start.
+#
+# One step can be far from typical on a loaded machine. Naive runs its events one after another, so the naive step
+# printed below lasted at least the sum of its two busy times, over twice the median naive step of section 4.
+#
+# The lesson draws the same schedules on 4 equal stages:
+#
+# ![Naive, GPipe and 1F1B on 4 stages, the bubble in grey](../lessons/figures/11_schedules.png)
 
 # %%
 fig, axes = plt.subplots(3, 1, figsize=(10, 5.5), sharex=True)
@@ -130,8 +145,9 @@ for run in ("naive/m=1", "gpipe/m=4", "1f1b/m=4"):
 # %% [markdown]
 # ## 2. The bubble against the formula
 #
-# The measured bubble (the mean over stages of the share of the step a stage did not compute,
-# `measured_bubble_fraction`), median over the steps, for m = 1 to 16 micro-batches of the same batch.
+# The measured bubble is the share of the step a stage did not compute, averaged over the stages
+# (`measured_bubble_fraction`). Each figure is the median over the steps. The same batch is split into m = 1 to 16
+# micro-batches.
 
 # %%
 print(f"{'m':>3} {'rows':>5} {'formula':>8} {'GPipe':>7} {'1F1B':>7}   step time GPipe, 1F1B")
@@ -153,26 +169,39 @@ ax.legend()
 plt.show()
 
 # %% [markdown]
-# The formula assumes equal stages and free messages. Neither holds: DeepMLP's first stage holds the 784-wide
-# input layer and the last the head and the loss, so one stage computes longer and the other waits for it; and
-# each micro-batch costs two messages and a few kernel launches whose time hardly depends on its size. As the
-# micro-batches shrink, their computation shrinks with them but that fixed cost does not, so the measured bubble
-# stops following the formula down and flattens; in the committed run (lesson 11's section 5 quotes it) no m made
-# the step shorter than m = 1's, the fixed costs of more micro-batches outweighing the smaller bubble on a loaded
-# machine. The formula's promise,
-# more micro-batches for a smaller bubble, holds only while each micro-batch still computes for much longer than
-# its messages take. The formula gives GPipe and 1F1B the same bubble; in the committed run GPipe's came out above
-# 1F1B's from m = 2 on, a measured difference that the formula's equal, free-messaging stages do not explain.
+# The formula assumes equal stages and free messages. Neither holds here.
+#
+# - **The naive row tests nothing.** On 2 stages, naive's bubble is one half whatever the stages cost: each stage
+#   waits exactly while the other computes. Only the messages can push it above 0.50.
+# - **Fixed costs.** Each micro-batch costs two messages and a few operation launches, whose time hardly depends on
+#   its size. As the micro-batches shrink, their computation shrinks with them, but that fixed cost does not. So the
+#   measured bubble stops following the formula down, and it flattens. In the committed run, which the lesson's
+#   section 5 quotes, no m made the step shorter than m = 1's. The formula's promise, a smaller bubble for more
+#   micro-batches, holds only while each micro-batch computes for much longer than its messages take.
+# - **Unequal stages.** DeepMLP's first stage holds the 784-wide input layer, and the last one the head and the loss.
+#   In the GPipe and 1F1B steps shown in section 1, stage 0 was the busier one. The formula, and the equality of
+#   GPipe's and 1F1B's bubbles, assume equal stages. When the first stage is the slower one, GPipe makes it wait for
+#   a whole micro-batch of stage 1 between its forwards and its backwards. 1F1B fills most of that wait with stage
+#   0's own work. That explains why GPipe's bubble came out above 1F1B's from m = 2 on, but only part of the gap.
+#   The lesson's benchmark replays its own runs with their event times and free messages. The replay gives the same
+#   order and a smaller gap: the rest is the messages and the waits around them.
+#
+# ![GPipe against 1F1B on 2 stages when stage 0 is slower](../lessons/figures/11_unequal_stages.png)
 #
 # ## 3. The activations each stage holds
 #
 # A micro-batch's activations stay alive from its forward to its backward. GPipe runs every forward before any
-# backward, so each stage holds all m; 1F1B holds at most `min(m, p - rank)`. Each schedule measures the bytes a
-# stage holds at its peak (`peak_activation_bytes`, `common.pipeline.ActivationMemory`): the tensors autograd saved
-# for the backward, counted from when they are saved until the backward frees them, plus the message buffers
-# still referenced (received inputs and gradients, and sent tensors whose send's handle is still kept), each
-# piece of memory once. Dividing by one micro-batch's saved bytes, measured apart (`microbatch_bytes`), gives the
-# micro-batches that peak amounts to.
+# backward, so each stage holds all m micro-batches. 1F1B holds at most `min(m, p - rank)`.
+#
+# Each schedule measures the bytes a stage holds at its peak, as `peak_activation_bytes`, with
+# `common.pipeline.ActivationMemory`. Two kinds of tensors count, each piece of memory once:
+#
+# - the tensors autograd saved for the backward, from when they are saved until the backward frees them
+# - the message buffers still referenced: received inputs and gradients, and sent tensors whose send's handle is
+#   still kept.
+#
+# One micro-batch's saved bytes are measured apart (`microbatch_bytes`). Dividing the peak by them gives the number
+# of micro-batches that peak amounts to.
 
 # %%
 print("each figure: stage 0, stage 1")
@@ -188,17 +217,20 @@ for m in MICROBATCHES:
     print(f"{m:>3}  {mib['gpipe']:>16} {mib['1f1b']:>16}   {held['gpipe']:>19} {held['1f1b']:>11}")
 
 # %% [markdown]
-# GPipe's peak does not fall as m grows: m micro-batches of `batch / m` rows are the whole batch's activations,
-# whatever m. 1F1B's falls as `1/m` once m passes the number of stages: stage 0 holds 2 micro-batches, stage 1
-# one. The measured peaks sit a little above whole micro-batches: at its peak a stage also holds the gradient it
-# received for the backward under way (stage 0) or its input's gradient, whose send is still pending (stage 1).
-# That is why 1F1B is the schedule pipelines use: the same bubble as GPipe, for the memory of `p`
-# micro-batches instead of `m`, so m can grow to shrink the bubble without running out of memory.
+# GPipe's peak does not fall as m grows. Its m micro-batches of `batch / m` rows are the whole batch's
+# activations, whatever m is. 1F1B's peak falls as `1/m` once m passes the number of stages. Stage 0 holds 2
+# micro-batches, and stage 1 holds one. The measured peaks sit a little above whole micro-batches. At its peak,
+# stage 0 also holds the gradient it received for the backward under way. Stage 1 also holds its input's gradient,
+# whose send is still pending.
+#
+# That is why pipelines use 1F1B. On equal stages it has GPipe's bubble, and it needs the memory of `p`
+# micro-batches instead of `m`. So m can grow to shrink the bubble without running out of memory.
 #
 # ## 4. Throughput: pipeline against data parallelism on the same two processes
 #
-# The same model and the same batch (512 rows in the committed run): cut into 2 stages (GPipe and 1F1B, m = 8),
-# or whole on each process under DDP, each process taking half the batch (`time_runs`' run `"ddp"`).
+# The same model and the same batch, 512 rows in the committed run, run two ways. Either it is cut into 2 stages,
+# under GPipe and 1F1B with m = 8. Or each process holds the whole model under DDP and takes half the batch
+# (`time_runs`' run `"ddp"`).
 
 # %%
 for run in ("naive/m=1", "gpipe/m=8", "1f1b/m=8", "ddp"):
@@ -206,16 +238,25 @@ for run in ("naive/m=1", "gpipe/m=8", "1f1b/m=8", "ddp"):
     print(f"{run:<10} {seconds * 1e3:6.0f} ms per step  {BATCH / seconds:7.0f} samples/s")
 
 # %% [markdown]
-# DDP keeps both processes computing the whole step and only all-reduces the gradients (one message per bucket,
-# overlapped with the backward); the pipeline loses its bubble and pays two messages per micro-batch. When the
-# model fits on one device, data parallelism is the faster way to use two; a pipeline is for a model that does
-# not fit, and then it is combined with data parallelism (each stage replicated), not chosen instead of it.
+# DDP has no bubble: both processes compute the whole forward and backward. It adds one all-reduce per bucket, and
+# little of it overlaps the backward here. After its first step, DDP packs this model's gradients into
+# two buckets: about 4 MiB for the head and the last block, and about 15 MiB for the rest. The second one holds the
+# stem, whose gradient is the backward's last. So most of the bytes start to travel only when the backward ends.
+#
+# The pipeline loses its bubble and pays two messages per micro-batch. When the model fits on one device, data
+# parallelism is usually the faster way to use two. In this run DDP beat both pipelines of 8 micro-batches, though
+# not the naive one, and on this loaded machine that order moves from run to run. Naive computes on one process at
+# a time, so its two processes never compete for the loaded cores. That may explain its speed here, but this run
+# does not test it. A pipeline is for a model that
+# does not fit, or for links too slow to all-reduce every gradient. Then it is combined with data parallelism,
+# each stage replicated, not chosen instead of it.
 #
 # ## 5. The same gradients from `torch.distributed.pipelining`
 #
-# torch's own pipeline: a `PipelineStage` built by hand around each rank's `nn.Sequential` (the same stages) and
-# `ScheduleGPipe` with 4 micro-batches. Rank 0 calls `schedule.step(X)`, the last rank
-# `schedule.step(target=y, losses=losses)`. Its gradients against `common.pipeline.gpipe`'s on the same batch:
+# Here is torch's own pipeline. A `PipelineStage` is built by hand around each rank's `nn.Sequential`, so the stages
+# are the same. `ScheduleGPipe` runs them with 4 micro-batches. Rank 0 calls `schedule.step(X)`, and the last rank
+# calls `schedule.step(target=y, losses=losses)`. Its gradients, against `common.pipeline.gpipe`'s on the same
+# batch:
 
 # %%
 theirs = run_on_ranks(torch_pipelining_gradients, STAGES, 4, WIDTH, DEPTH, BATCH, timeout=120)

@@ -187,3 +187,27 @@ def test_the_compression_benchmark_prints_a_row_per_configuration_and_powersgd_s
     figures = json.loads(results.read_text())
     assert [run["config"] for run in figures["runs"]] == ["allreduce", "powersgd-r2"]
     assert all(len(run["test_accuracy"]) == 1 for run in figures["runs"]) and plot.stat().st_size > 0
+
+
+@pytest.mark.slow  # two processes run 11 schedules for a few steps: about 10 s on 2 cores, more under load
+def test_the_pipeline_benchmark_prints_a_row_per_schedule_and_ddp():
+    run = torchrun(
+        "benchmarks/pipeline_schedules.py",
+        *("--width", "32", "--depth", "2", "--batch-size", "16", "--microbatches", "2", "4"),
+        *("--torch-microbatches", "4", "--steps", "2"),
+        timeout=180,
+    )
+    assert run.returncode == 0, run.output
+    lines = run.stdout.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("run ")))
+    end = lines.index(next(line for line in lines if line.startswith("median ms per micro-batch")))
+    rows = {line[:34].strip(): line[34:].split() for line in lines[at + 1 : end]}
+    torch_runs = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
+    assert list(rows) == ["naive/m=1", "gpipe/m=2", "gpipe/m=4", "1f1b/m=2", "1f1b/m=4", "ddp"] + [
+        f"torch {schedule}/m=4" for schedule in torch_runs
+    ]
+    assert rows["ddp"][2:4] == ["(no", "bubble:"]
+    # measured, replayed and the formula; the naive one replays to a half on 2 stages, whatever the stages cost
+    assert rows["naive/m=1"][2:] == [rows["naive/m=1"][2], "0.50", "0.50"]
+    assert rows["torch Interleaved1F1B/m=4"][-1] == "0.11" and rows["torch ZBVZeroBubble/m=4"][-1] == "-"
+    assert all(0 <= float(value) <= 1 for name, row in rows.items() if name != "ddp" for value in row[2:4])

@@ -175,6 +175,12 @@ NOT_RUN = {
         "on small settings",
     ".venv/bin/python -m pytest tests/test_compression.py tests/labs/test_11_powersgd.py":
         "test files of this suite, which the suite runs itself",
+    "torchrun --standalone --nproc_per_node=2 benchmarks/pipeline_schedules.py":
+        "a benchmark, which times 13 runs for a minute or two; tests/test_benchmarks.py::test_the_pipeline_"
+        "benchmark_prints_a_row_per_schedule_and_ddp runs it on small settings (make test-slow)",
+    "python scripts/cluster.py --nodes 2 --procs-per-node 1 --link 1gbit -- benchmarks/pipeline_schedules.py":
+        "the same benchmark over the emulated link; tests/test_benchmarks.py runs it on loopback with small "
+        "settings, and tests/test_cluster.py runs scripts/cluster.py",
     ".venv/bin/python -m pytest tests/test_pipeline.py tests/labs/test_12_pipeline.py":
         "test files of this suite, which the suite runs itself",
     "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_12_pipeline.py":

@@ -6,6 +6,8 @@ batch with the whole model, the activations each stage held at once, the order o
 messages sent, and a timeline whose causality the shared clock must show.
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,13 +15,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.experiments.pipeline import (
+    TORCH_SCHEDULES,
+    ddp_buckets,
     deep_mlp_batch,
     microbatch_bytes,
+    pipeline_with_data_parallel,
     plot_timeline,
+    replay,
+    replay_schedule,
     time_runs,
+    time_torch_schedules,
     torch_pipelining_gradients,
+    torch_schedule_gradients,
+    torch_schedule_order,
 )
-from common.launch import run_on_ranks
+from common.launch import in_turn, run_on_ranks
 from common.models import DeepMLP
 from common.pipeline import (
     SCHEDULES,
@@ -30,6 +40,7 @@ from common.pipeline import (
     gpipe,
     measured_bubble_fraction,
     saved_activation_bytes,
+    schedule_order,
     stage_bounds,
     stage_module,
 )
@@ -201,6 +212,33 @@ def test_a_tensor_handed_to_isend_is_held_until_the_sends_handle_is_dropped():
     assert held == [256 * 4, 256 * 4, 0]
 
 
+RECEIVER_SLEEPS = 1.0  # seconds before rank 1 posts its receive
+
+
+def time_a_blocking_send(env) -> list[float]:
+    """Rank 0 sends with ``dist.send`` (blocking), once with 1 element and once with 1M: the seconds each send took.
+    Rank 1 sleeps ``RECEIVER_SLEEPS`` before each receive; a barrier starts both rounds together."""
+    times = []
+    for numel in (1, 2**20):
+        dist.barrier()
+        if env.rank == 1:
+            time.sleep(RECEIVER_SLEEPS)
+            dist.recv(torch.empty(numel), src=0)
+            continue
+        start = time.perf_counter()
+        dist.send(torch.ones(numel), dst=1)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+@pytest.mark.timeout(60)
+def test_a_blocking_gloo_send_returns_only_once_the_receiver_posts_its_receive():
+    """Why the schedules send with ``isend``: on gloo, ``dist.send`` waits until the peer gets to its ``recv``, even
+    for one element, so two blocking sends that face each other (1F1B's steady state) would wait forever."""
+    seconds = run_on_ranks(time_a_blocking_send, 2, timeout=45)[0]
+    assert all(took > 0.8 * RECEIVER_SLEEPS for took in seconds), seconds
+
+
 def expected_one_f_one_b(world_size: int, rank: int) -> list[str]:
     """1F1B's events for 4 micro-batches, written out by hand (warm-up | steady | cool-down)."""
     return {
@@ -264,6 +302,89 @@ def test_the_bubble_formula():
     assert bubble_fraction_formula(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction_formula(2, 8) == pytest.approx(1 / 9)
     assert bubble_fraction_formula(1, 5) == 0  # one stage never waits
+    # Interleaved, v = 2 stages per rank: idle (p - 1) / (v m) of the work, (p - 1) / (v m + p - 1) of the step.
+    assert bubble_fraction_formula(4, 4, stages_per_rank=2) == pytest.approx(3 / 11)
+    assert bubble_fraction_formula(2, 4, stages_per_rank=2) == pytest.approx(1 / 9)
+
+
+@pytest.mark.timeout(150)
+def test_schedule_order_is_the_order_the_schedules_run(runs):
+    world_size = len(runs)
+    for rank, results in enumerate(runs):
+        for run, result in results.items():
+            schedule, m = run.split("/m=")
+            expected = [
+                f"{kind}{microbatch}" for kind, microbatch in schedule_order(schedule, rank, world_size, int(m))
+            ]
+            for record in result["records"]:
+                assert [f"{e['kind']}{e['microbatch']}" for e in record["events"]] == expected, f"{run}, rank {rank}"
+
+
+def equal_stages(num_stages: int, forward: float = 1.0, backward: float = 2.0) -> dict:
+    return {"F": [forward] * num_stages, "B": [backward] * num_stages}
+
+
+def test_the_replay_of_equal_stages_gives_the_bubble_formula():
+    for p in (2, 3, 4):
+        for m in (1, 2, 4, 8):
+            for schedule in ("gpipe", "1f1b"):
+                records = replay_schedule(schedule, p, m, equal_stages(p))
+                assert measured_bubble_fraction(records) == pytest.approx(bubble_fraction_formula(p, m)), (
+                    schedule,
+                    p,
+                    m,
+                )
+                # Each rank's events follow its order, and none overlaps the next.
+                for rank, record in enumerate(records):
+                    expected = [f"{kind}{i}" for kind, i in schedule_order(schedule, rank, p, m)]
+                    assert [f"{e['kind']}{e['microbatch']}" for e in record["events"]] == expected
+                    assert all(a["end"] <= b["start"] for a, b in zip(record["events"], record["events"][1:]))
+    # torch's interleaved 1F1B, 2 stages per rank, each half a rank's layers: (p - 1) / (v m + p - 1).
+    for p, m in ((2, 4), (2, 8), (4, 8)):
+        records = replay(torch_schedule_order("Interleaved1F1B", p, m), equal_stages(2 * p, 0.5, 1.0))
+        expected = bubble_fraction_formula(p, m, stages_per_rank=2)
+        assert measured_bubble_fraction(records) == pytest.approx(expected), (p, m)
+
+
+def test_with_a_slower_first_stage_1f1b_idles_less_than_gpipe_and_with_a_slower_last_stage_the_same():
+    """On unequal stages the formula's "same bubble" breaks: GPipe makes the slower stage 0 wait for one whole
+    micro-batch of stage 1 between its forwards and its backwards; 1F1B fills that wait with its own work."""
+    m = 4
+    slow_first = {"F": [1.2, 1.0], "B": [2.4, 2.0]}
+    gpipe_bubble, one_f_one_b_bubble = (
+        measured_bubble_fraction(replay_schedule(schedule, 2, m, slow_first)) for schedule in ("gpipe", "1f1b")
+    )
+    assert one_f_one_b_bubble < gpipe_bubble - 0.01
+    slow_last = {"F": [1.0, 1.2], "B": [2.0, 2.4]}
+    gpipe_bubble, one_f_one_b_bubble = (
+        measured_bubble_fraction(replay_schedule(schedule, 2, m, slow_last)) for schedule in ("gpipe", "1f1b")
+    )
+    assert one_f_one_b_bubble == pytest.approx(gpipe_bubble)
+    # The naive schedule on 2 stages idles half the step whatever the stages: each waits for the other's work.
+    assert measured_bubble_fraction(replay_schedule("naive", 2, 1, slow_first)) == pytest.approx(0.5)
+
+
+def test_the_replay_charges_each_message_between_ranks_and_refuses_an_order_that_deadlocks():
+    # Naive on 2 stages: F0 on stage 0, F0 and B0 on stage 1, B0 on stage 0; two messages cross, 0.5 each.
+    records = replay_schedule("naive", 2, 1, equal_stages(2), message_seconds=0.5)
+    assert [(e["start"], e["end"]) for e in records[0]["events"]] == [(0, 1), (5, 7)]
+    assert [(e["start"], e["end"]) for e in records[1]["events"]] == [(1.5, 2.5), (2.5, 4.5)]
+    # A backward before its own forward waits forever.
+    with pytest.raises(ValueError, match="deadlocks"):
+        replay([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]], equal_stages(2))
+
+
+def test_splitting_the_backward_lets_zero_bubble_schedules_fill_the_bubble_that_interleaving_leaves():
+    """torch's zero-bubble schedules run the input's gradient (I) first, which the stage before waits for, and the
+    weights' (W) later, where a stage would otherwise wait. Replayed with F = I = W on equal stages, they idle less
+    than interleaved 1F1B, whose full backward is F's twice."""
+    p, m = 2, 8
+    split = {"F": [1.0] * 4, "I": [1.0] * 4, "W": [1.0] * 4}
+    interleaved = measured_bubble_fraction(replay(torch_schedule_order("Interleaved1F1B", p, m), equal_stages(4)))
+    for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble"):
+        orders = torch_schedule_order(schedule, p, m)
+        assert {kind for order in orders for kind, _, _ in order} == {"F", "I", "W"}
+        assert measured_bubble_fraction(replay(orders, split)) < interleaved / 2, schedule
 
 
 def test_the_measured_bubble_is_the_mean_idle_share_of_the_step_span():
@@ -345,6 +466,96 @@ def test_time_runs_interleaves_every_run_and_records_each_step():
     # Interleaved: each run's second step starts after every run's first step ended.
     first_round_end = max(ranks[0][name]["records"][0]["events"][-1]["end"] for name in ("naive/m=1", "1f1b/m=4"))
     assert ranks[0]["naive/m=1"]["records"][1]["events"][0]["start"] > first_round_end
+
+
+def torch_schedules_and_ddp_buckets(env) -> list:
+    """In one process group: every torch schedule's gradients on a small DeepMLP, two timed steps of the
+    multi-stage ones, and the DDP buckets of the notebook's model."""
+    width, depth, batch, m = 32, 2, 16, 4
+    calls = [(torch_schedule_gradients, (schedule, m, width, depth, batch)) for schedule in TORCH_SCHEDULES]
+    multi = [(schedule, m) for schedule, (_, per_rank) in TORCH_SCHEDULES.items() if per_rank > 1]
+    calls.append((time_torch_schedules, (multi, width, depth, batch, 2)))
+    calls.append((ddp_buckets, (1024, 4, 16)))
+    return in_turn(env, calls)
+
+
+@pytest.fixture(scope="module")
+def torch_runs():
+    return run_on_ranks(torch_schedules_and_ddp_buckets, 2, timeout=150)
+
+
+@pytest.mark.timeout(180)
+def test_torch_interleaved_and_zero_bubble_schedules_give_the_gradients_of_one_process(torch_runs):
+    width, depth, batch = 32, 2, 16
+    torch.manual_seed(0)
+    model = DeepMLP(width=width, depth=depth)
+    X, y = deep_mlp_batch(batch, 0)
+    loss = F.cross_entropy(model(X), y)
+    loss.backward()
+    for index, (schedule, (_, per_rank)) in enumerate(TORCH_SCHEDULES.items()):
+        num_stages = 2 * per_rank
+        expected = {
+            f"{stage}/{name}": p.grad
+            for stage in range(num_stages)
+            for name, p in stage_module(deep_mlp_layers(model), stage, num_stages).named_parameters()
+        }
+        got = {name: grad for rank in torch_runs for name, grad in rank[index]["gradients"].items()}
+        assert got.keys() == expected.keys(), schedule
+        for name, grad in expected.items():
+            torch.testing.assert_close(got[name], grad, msg=f"{schedule}, {name}")
+        losses = [rank[index]["loss"] for rank in torch_runs if rank[index]["loss"] is not None]
+        assert len(losses) == 1, schedule
+        torch.testing.assert_close(losses[0], loss.detach(), msg=schedule)
+
+
+@pytest.mark.timeout(180)
+def test_time_torch_schedules_records_each_computation_in_the_order_torch_gives(torch_runs):
+    timed = [rank[len(TORCH_SCHEDULES)] for rank in torch_runs]
+    for name in timed[0]:
+        schedule, m = name.split("/m=")
+        expected = torch_schedule_order(schedule, 2, int(m))
+        for rank, results in enumerate(timed):
+            assert len(results[name]["step_seconds"]) == 2
+            for record in results[name]["records"]:
+                assert [(e["kind"], e["microbatch"], e["stage"]) for e in record["events"]] == expected[rank], name
+                assert all(e["start"] <= e["end"] for e in record["events"])
+
+
+@pytest.mark.timeout(180)
+def test_ddps_last_bucket_holds_the_stem_and_most_of_the_gradients(torch_runs):
+    """The notebook's DDP run (DeepMLP width 1024, depth 4): after its first step DDP all-reduces a 4 MiB bucket
+    (the head and the last block) during the backward, then a 15 MiB one that holds the stem, whose gradient is the
+    backward's last: most of the bytes start only when the backward ends."""
+    for rank in torch_runs:
+        buckets = rank[len(TORCH_SCHEDULES) + 1]
+        assert [bucket["bytes"] for bucket in buckets] == [4_239_400, 15_810_560]
+        assert sorted(buckets[0]["parameters"]) == ["blocks.3.0.bias", "blocks.3.0.weight", "head.bias", "head.weight"]
+        assert "stem.1.weight" in buckets[1]["parameters"]
+
+
+@pytest.mark.slow  # 4 processes on 2 cores: about 20 s
+@pytest.mark.timeout(180)
+def test_a_pipeline_with_data_parallelism_all_reduces_once_per_step_and_equals_one_process():
+    """2 stages x 2 copies under torch's Schedule1F1B, 8 micro-batches per copy, each stage wrapped in DDP over its
+    copies: one all-reduce per stage and step (the stages are one bucket each), not one per micro-batch, and the
+    gradients of one process on the whole batch."""
+    width, depth, batch, num_microbatches = 32, 2, 32, 8
+    ranks = run_on_ranks(pipeline_with_data_parallel, 4, 2, num_microbatches, width, depth, batch, timeout=150)
+    torch.manual_seed(0)
+    model = DeepMLP(width=width, depth=depth)
+    X, y = deep_mlp_batch(batch, 0)
+    loss = F.cross_entropy(model(X), y)
+    loss.backward()
+    assert [(rank["stage"], rank["copy"]) for rank in ranks] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for rank in ranks:
+        assert rank["all_reduces"] == 1, rank["stage"]
+        # The shape-learning forward runs the DDP module outside no_sync, so micro-batch 0's backward all-reduces too
+        assert rank["first_step_all_reduces"] == 2, rank["stage"]
+        expected = dict(stage_module(deep_mlp_layers(model), rank["stage"], 2).named_parameters())
+        for name, grad in rank["gradients"].items():
+            torch.testing.assert_close(grad, expected[name].grad, msg=f"stage {rank['stage']}, {name}")
+    copies_mean = (ranks[1]["loss"] + ranks[3]["loss"]) / 2  # each copy's mean loss on half the batch
+    torch.testing.assert_close(copies_mean, loss.detach())
 
 
 def test_saved_activation_bytes_counts_each_saved_tensor_once_and_no_parameters():
