@@ -117,7 +117,7 @@ for rank, result in enumerate(checked):
 # %% [markdown]
 # That is float32 rounding only, because the sums run in another order. Each rank adds its own heads' and hidden
 # features' share, then the all-reduce adds the shares. The tests check the same in float64, to `assert_close`'s
-# default tolerance, and after three SGD steps (`tests/test_tensor_parallel.py`).
+# default tolerance, and after three SGD steps (lesson 12, "Checked by").
 #
 # ## 2. What each rank holds
 #
