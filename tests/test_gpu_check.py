@@ -405,33 +405,47 @@ def markdown_blocks(text: str) -> list[tuple[str, bool]]:
     return blocks
 
 
+provenance = load_script(REPO / "scripts" / "provenance.py")
+VERSION = re.compile(r"(?<![\w.])\d+\.\d+\.\d+(?!\w|\.\d)|(?<=PyTorch )\d+\.\d+")  # versions, not figures
+
+
 def unrecorded_gpu_figures(text: str, runs: dict[str, list[Path]]) -> list[str]:
     """Every number in a block that names a recorded GPU but appears in none of that GPU's result files, and every
     line of a code block naming the GPU that no result file holds verbatim: ``["<block start>: <figure>", ...]``.
 
     A block is a paragraph, a list item, a table row or a fenced code block; numbers inside inline code (a flag's
-    value, a function's return value) are left out of prose. A block that quotes a GPU run names the GPU."""
+    value, a function's return value) and version numbers are left out of prose. A block that quotes a GPU run names
+    the GPU. A figure the document derives in its ``## Derived numbers`` table (a ratio of two GPU figures, say) is
+    accepted: tests/test_provenance.py holds each row to inputs printed in committed outputs or to a citation."""
+    derived, _ = provenance.derived_numbers(text, set())
+    text = provenance.DERIVED.sub(lambda match: "\n" * match.group(0).count("\n"), text)
     problems = []
     for block, is_code in markdown_blocks(text):
-        for model, folders in runs.items():
-            if not re.search(rf"\b{model}\b", block):
-                continue
-            recorded = "\n".join(
-                path.read_text()
-                for folder in folders
-                for path in sorted(folder.iterdir())
-                if path.suffix in (".md", ".txt", ".log", ".json")
-            )
-            recorded_numbers = set(NUMBER.findall(recorded))
-            where = block.strip().splitlines()[0][:60]
-            prose = block if is_code else re.sub(r"`[^`]*`", "", block)  # inline code: names and values, not figures
-            problems += [f"{where}: {number}" for number in NUMBER.findall(prose) if number not in recorded_numbers]
-            if is_code:
-                problems += [
-                    f"{where}: line {line.strip()!r}"
-                    for line in block.splitlines()
-                    if line.strip() and line.strip() not in recorded
-                ]
+        named = [model for model in runs if re.search(rf"\b{model}\b", block)]
+        if not named:
+            continue
+        # a block may compare runs of two GPUs: each figure must be in the records of one GPU it names
+        recorded = "\n".join(
+            path.read_text()
+            for model in named
+            for folder in runs[model]
+            for path in sorted(folder.iterdir())
+            if path.suffix in (".md", ".txt", ".log", ".json")
+        )
+        recorded_numbers = set(NUMBER.findall(recorded))
+        where = block.strip().splitlines()[0][:60]
+        prose = block if is_code else VERSION.sub("", re.sub(r"`[^`]*`", "", block))  # names, values, versions
+        problems += [
+            f"{where}: {number}"
+            for number in NUMBER.findall(prose)
+            if number not in recorded_numbers and not {number.replace(",", ""), f"{number}%"} & derived.keys()
+        ]
+        if is_code:
+            problems += [
+                f"{where}: line {line.strip()!r}"
+                for line in block.splitlines()
+                if line.strip() and line.strip() not in recorded
+            ]
     return problems
 
 
@@ -446,6 +460,11 @@ def test_the_figure_checker_finds_a_number_no_gpu_run_recorded():
         "H100 made up line: line 'H100 made up line'"
     ]
     assert unrecorded_gpu_figures("On a CPU: 71,000 samples/s.", runs) == []  # names no GPU: not a GPU figure
+    derived = "On one H100, bf16 ran 1.23x fp32 in PyTorch 2.14.1.\n\n## Derived numbers\n| figure | how |\n|---|---|\n"
+    assert unrecorded_gpu_figures(derived + "| 1.23x | 1 / 2 |\n", runs) == []
+    assert unrecorded_gpu_figures(derived + "| 1.25x | 1 / 2 |\n", runs) == [
+        "On one H100, bf16 ran 1.23x fp32 in PyTorch 2.14.1.: 1.23"
+    ]
 
 
 @pytest.mark.parametrize(
