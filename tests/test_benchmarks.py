@@ -168,6 +168,7 @@ def test_the_scaler_sync_benchmark_counts_one_host_read_per_step_in_step_and_one
     assert reads == {"no skip count": 1, "get_scale after update": 2, "get_scale before and after": 3}
 
 
+@pytest.mark.slow  # 25 s: the hooks' bytes are counted in tests/test_compression.py in make test
 def test_the_compression_benchmark_prints_a_row_per_configuration_and_powersgd_sends_over_10x_fewer_bytes(tmp_path):
     results, plot = tmp_path / "compression.json", tmp_path / "compression.png"
     run = run_command(

@@ -20,7 +20,8 @@ def messages_per_rank(env):
     return counts
 
 
-@pytest.mark.parametrize("world_size", [2, 4])  # 3 ranks: tests/test_benchmarks.py counts them through the benchmark
+# 3 ranks: tests/test_benchmarks.py counts them through the benchmark; 4 ranks on 2 cores take 20 s: a slow drill
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_naive_posts_2_n_minus_1_messages_on_rank_0_and_the_ring_4_n_minus_1_of_s_over_n_on_every_rank(world_size):
     N, S = world_size, NUMEL * 4
     ranks = run_on_ranks(messages_per_rank, world_size, timeout=120)

@@ -143,6 +143,7 @@ def test_the_starving_rung_is_data_bound_and_the_last_rung_is_not(data_dir):
     assert fixed["first_batch_ms"] > 0 and starving["first_batch_ms"] > 0
 
 
+@pytest.mark.slow  # 14 s: the rungs themselves are tested above in make test
 @pytest.mark.timeout(120)
 def test_the_benchmark_prints_a_row_per_rung_and_writes_its_figures(tmp_path):
     run = run_command(

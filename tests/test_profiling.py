@@ -126,11 +126,12 @@ def test_the_parts_add_up_to_the_step_and_communication_is_measured(runs):
 @pytest.mark.timeout(120)
 def test_the_traces_step_time_matches_the_wall_clock_of_the_same_steps(runs):
     # StepRegions' step also holds the loop between steps (end_step, profiler.step()), which the trace's
-    # data-to-optimizer window leaves out: 10% and 0.5 ms allow for it on a busy 2-core machine.
+    # data-to-optimizer window leaves out: 10% and 1.5 ms allow for it on a busy 2-core machine (0.94 ms of a 6.9 ms
+    # step at load average 3 in a fresh-clone run; 0.5 ms failed there).
     for result in runs:
         wall = mean_breakdown(result["rows"][PROFILED])
         traced = mean_breakdown(result["breakdowns"])
-        assert traced["step_ms"] == pytest.approx(wall["step_ms"], rel=0.10, abs=0.5)
+        assert traced["step_ms"] == pytest.approx(wall["step_ms"], rel=0.10, abs=1.5)
         assert traced["step_ms"] <= 1.01 * wall["step_ms"]  # the trace's window lies inside the wall-clock step
         assert traced["backward_ms"] == pytest.approx(wall["backward_ms"], rel=0.05, abs=0.2)
 
