@@ -42,7 +42,8 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, function, X):
-        # BEGIN LAB: forward: keep X and the random state, run the function without recording a graph
+        # BEGIN LAB: forward: keep X and the random state, run the function without a graph
+        # random_state(device) gives the state; ctx.save_for_backward keeps a tensor; torch.no_grad() records nothing
         ctx.function = function
         ctx.random_state = random_state(X.device)  # the dropout masks of the second forward must be these
         ctx.save_for_backward(X)  # the only activation kept
@@ -52,7 +53,9 @@ class Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        # BEGIN LAB: backward: the forward again, with the random state put back and a graph; then backward through it
+        # BEGIN LAB: backward: put the random state back, run forward again, backward through it
+        # X.detach().requires_grad_() makes a new leaf; torch.random.fork_rng() restores the state afterwards;
+        # set_random_state(state, device); torch.enable_grad(); torch.autograd.backward(output, grad_output)
         (X,) = ctx.saved_tensors
         X = X.detach().requires_grad_(X.requires_grad)  # a new leaf: its .grad is the gradient to return
         with torch.random.fork_rng(devices=[X.device] if X.device.type == "cuda" else []):  # restored after

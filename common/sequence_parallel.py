@@ -92,13 +92,15 @@ class GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, group=None):
         # BEGIN LAB: g's forward: the whole sequence from every rank's shard; keep the group
+        # all_gather_sequence(shard, group) does the collective
         ctx.group = group
         return all_gather_sequence(shard, group)
         # END LAB
 
     @staticmethod
     def backward(ctx, grad_output):
-        # BEGIN LAB: g's backward: each rank used the whole sequence, so sum the gradients; keep this rank's tokens
+        # BEGIN LAB: g's backward: sum the ranks' gradients, keep this rank's tokens
+        # every rank used the whole sequence: each holds one term of its gradient (reduce_scatter_sequence)
         return reduce_scatter_sequence(grad_output, ctx.group), None
         # END LAB
 
@@ -108,14 +110,15 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, partial, group=None):
-        # BEGIN LAB: g-bar's forward: the sum of the partial results, this rank's tokens of it; keep the group
+        # BEGIN LAB: g-bar's forward: sum the partial results, keep this rank's tokens
         ctx.group = group
         return reduce_scatter_sequence(partial, group)
         # END LAB
 
     @staticmethod
     def backward(ctx, grad_output):
-        # BEGIN LAB: g-bar's backward: every rank's partial result fed every token, so each needs the whole gradient
+        # BEGIN LAB: g-bar's backward: the whole gradient, gathered from every rank
+        # each rank's partial result fed every token of the sum: it needs the gradient of every token
         return all_gather_sequence(grad_output, ctx.group), None
         # END LAB
 
@@ -217,6 +220,17 @@ def shard_gpt(gpt: GPT, rank: int, world_size: int, group=None) -> GPT:
     for block in gpt.blocks:
         shard_block(block, rank, world_size, group)
     return gpt
+
+
+def replicated_in_sync(model: nn.Module, group=None) -> bool:
+    """True when every rank of ``group`` holds the same ``replicated_parameters``, bit for bit: the check that their
+    gradients were the whole ones on every rank. Two all-reduces (the element-wise maximum and minimum over the
+    ranks); every rank of ``group`` calls it."""
+    flat = torch.cat([p.detach().reshape(-1) for p in replicated_parameters(model)]).double()
+    highest, lowest = flat.clone(), flat.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    return bool(torch.equal(highest, lowest))
 
 
 class SequenceParallelGPT(nn.Module):
