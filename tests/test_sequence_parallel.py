@@ -4,8 +4,8 @@ One process group per world size (2 and 4) runs every check (``in_turn``: one sp
 In float64 without dropout, so that the versions compute the same numbers to rounding:
 
 - by hand, tensor parallelism alone, and tensor with sequence parallelism (plain, and keeping only the shards of
-  the linears' inputs: ``regather``), with and without recomputation: the loss and every gradient equal the whole
-  GPT's (each rank's slice of a split parameter's);
+  the linears' inputs: ``regather``), without recomputation, recomputed by hand and selectively: the loss and every
+  gradient equal the whole GPT's (each rank's slice of a split parameter's);
 - the collectives: one all-gather and one reduce-scatter per block and pass, each of the activation's bytes,
   where tensor parallelism makes one all-reduce; a ring moves the same bytes per rank either way;
 - what each rank saves for backward: 1/t of the whole GPT's with ``regather``;
@@ -17,66 +17,40 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.experiments.activations import build_gpt, sequence_parallel_checks, token_batch
-from common.gpt import next_token_loss
+from common.experiments.activations import (
+    build_gpt,
+    sequence_parallel_checks,
+    token_batch,
+    torch_sequence_parallel,
+)
 from common.launch import in_turn, run_on_ranks
-from common.sequence_parallel import parallelize_gpt, sequence_range
+from common.sequence_parallel import sequence_range
 
 CONFIG = dict(context=16, d_model=16, num_heads=4, num_layers=2, dropout=0.0)
-BATCH, WORLD_SIZES = 2, (2, 4)
+BATCH = 2
 ACTIVATION_BYTES = BATCH * CONFIG["context"] * CONFIG["d_model"] * 8  # one (batch, seq, h) float64 tensor
 VERSIONS = ("tensor parallel", "sequence parallel", "sequence parallel, regather")
 
 
-def torch_version(env, steps: int = 2) -> dict:
-    """torch's tensor and sequence parallelism of the GPT, ``steps`` AdamW steps under ``loss_parallel``: the
-    largest difference of the parameters from the whole GPT's after the same steps, and what ``CommDebugMode``
-    counted in the first forward and backward."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    config = CONFIG
-    tokens, targets = token_batch(config, BATCH)
-    whole = build_gpt(config).double()
-    optimizer = torch.optim.AdamW(whole.parameters(), lr=0.01)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        next_token_loss(whole(tokens), targets).backward()
-        optimizer.step()
-    split = parallelize_gpt(build_gpt(config).double(), init_device_mesh("cpu", (env.world_size,)))
-    optimizer = torch.optim.AdamW(split.parameters(), lr=0.01, foreach=False)
-    counts = None
-    for _ in range(steps):
-        optimizer.zero_grad()
-        with CommDebugMode() as comm, loss_parallel():
-            next_token_loss(split(tokens), targets).backward()
-        counts = counts or {str(op).split(".")[-1]: count for op, count in comm.get_comm_counts().items()}
-        optimizer.step()
-    wholes = dict(whole.named_parameters())
-    difference = max(
-        (parameter.full_tensor() - wholes[name]).abs().max().item() for name, parameter in split.named_parameters()
-    )
-    return {"parameter difference": difference, "counts": counts}
-
-
-@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
+# The world of 4 takes 10 s on 2 cores: `make test-slow` runs it, `make test` the world of 2.
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"world{n}")
 def results(request):
     calls = [
         (sequence_parallel_checks, (CONFIG, BATCH)),
         (sequence_parallel_checks, (CONFIG, BATCH, "by-hand")),
-        (torch_version, ()),
+        (sequence_parallel_checks, (CONFIG, BATCH, "selective")),
+        (torch_sequence_parallel, (CONFIG, BATCH)),
     ]
     world_size = request.param
     return world_size, run_on_ranks(in_turn, world_size, calls, timeout=150)
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("recomputed", [False, True], ids=["", "recomputed"])
-def test_sequence_parallelism_by_hand_equals_the_whole_gpt_loss_and_every_gradient(results, recomputed):
+@pytest.mark.parametrize("recompute", [0, 1, 2], ids=["", "recomputed-by-hand", "recomputed-selective"])
+def test_sequence_parallelism_by_hand_equals_the_whole_gpt_loss_and_every_gradient(results, recompute):
     _, per_rank = results
-    for rank, (plain, with_recomputation, _) in enumerate(per_rank):
-        checks = with_recomputation if recomputed else plain
+    for rank, checks_of_each in enumerate(per_rank):
+        checks = checks_of_each[recompute]
         for version in VERSIONS:
             assert checks[version]["loss difference"] < 1e-12, (rank, version)
             assert checks[version]["gradient difference"] < 1e-12, (rank, version)
@@ -93,7 +67,7 @@ def ring_bytes(calls: list[tuple[str, int]], world_size: int) -> float:
 def test_each_block_all_gathers_and_reduce_scatters_where_tensor_parallelism_all_reduces_the_same_ring_bytes(results):
     world_size, per_rank = results
     blocks = 2 * CONFIG["num_layers"]  # the attention and the MLP of each layer
-    for checks, _, _ in per_rank:
+    for checks, *_ in per_rank:
         tensor, sequence, regather = (checks[version] for version in VERSIONS)
         assert tensor["forward"] == tensor["backward"] == [("all_reduce", ACTIVATION_BYTES)] * blocks
         pair = [("all_gather_single", ACTIVATION_BYTES), ("reduce_scatter_single", ACTIVATION_BYTES)]
@@ -113,7 +87,7 @@ def test_each_block_all_gathers_and_reduce_scatters_where_tensor_parallelism_all
 @pytest.mark.timeout(200)
 def test_with_regather_each_rank_saves_1_over_t_of_the_whole_gpts_activations(results):
     world_size, per_rank = results
-    for checks, _, _ in per_rank:
+    for checks, *_ in per_rank:
         whole, tensor = checks["one process"]["saved"], checks["tensor parallel"]["saved"]
         sequence, regather = checks["sequence parallel"]["saved"], checks["sequence parallel, regather"]["saved"]
         # All but a few scalars of the loss (its total weight), which every rank keeps once.
@@ -132,11 +106,15 @@ def test_torchs_sequence_parallel_with_loss_parallel_equals_the_whole_gpt_after_
         # Per block and pass one all-gather and one reduce-scatter; the two embeddings' reduce-scatters forward and
         # the head's all-gather (and their conjugates backward); loss_parallel's three all-reduces of the logits'
         # statistics, never the logits themselves.
-        assert torch_checks["counts"] == {
+        assert torch_checks["passes"] == {
             "all_gather_into_tensor": 4 * layers + 3,
             "reduce_scatter_tensor": 4 * layers + 3,
             "all_reduce": 3,
         }
+        # The norms' gradients stay partial sums after backward: AdamW's step sums them, at each use.
+        assert torch_checks["norm gradients"] == ["(Partial(sum),)"]
+        norm_parameters = 2 * (2 * layers + 1)  # weight and bias of two norms per layer, and of the final norm
+        assert torch_checks["optimizer step"] == {"all_reduce": 3 * norm_parameters}
 
 
 def test_a_sequence_that_does_not_divide_by_the_ranks_is_a_value_error_that_says_so():

@@ -15,7 +15,7 @@ from common.collectives import count_collectives
 from common.gpt import GPT, next_token_loss
 from common.memory import local_bytes, optimizer_state_tensors
 from common.recompute import RECOMPUTE_MODES, apply_recomputation
-from common.sequence_parallel import SequenceParallelGPT, shard_gpt
+from common.sequence_parallel import SequenceParallelGPT, parallelize_gpt, shard_gpt
 from common.tensor_parallel import TransformerBlock
 
 
@@ -169,6 +169,46 @@ def sequence_parallel_checks(env, config: dict, batch: int, recompute: str = "no
 def unwrapped(name: str) -> str:
     """A parameter's name without ``RecomputedBlock``'s ``.block`` (the gradients' copy is not wrapped)."""
     return name.replace(".block.", ".")
+
+
+def torch_sequence_parallel(env, config: dict, batch: int, steps: int = 2) -> dict:
+    """torch's tensor and sequence parallelism of the GPT (``parallelize_gpt``), ``steps`` AdamW steps under
+    ``loss_parallel``, in float64 without dropout: the largest difference of the parameters from the whole GPT's
+    after the same steps; what ``CommDebugMode`` counted in the first forward and backward, and in the first
+    optimizer step; and the placements of the norms' gradients after backward (``Partial``: not yet summed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    config = config | {"dropout": 0.0}
+    tokens, targets = token_batch(config, batch)
+    whole = build_gpt(config).double()
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=0.01)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        next_token_loss(whole(tokens), targets).backward()
+        optimizer.step()
+    split = parallelize_gpt(build_gpt(config).double(), init_device_mesh("cpu", (env.world_size,)))
+    optimizer = torch.optim.AdamW(split.parameters(), lr=0.01, foreach=False)
+    result = {}
+    for step in range(steps):
+        optimizer.zero_grad()
+        with CommDebugMode() as passes, loss_parallel():
+            next_token_loss(split(tokens), targets).backward()
+        norm_gradients = {str(p.grad.placements) for name, p in split.named_parameters() if "norm" in name}
+        with CommDebugMode() as optimizer_step:
+            optimizer.step()
+        if step == 0:
+            result["passes"] = {str(op).split(".")[-1]: count for op, count in passes.get_comm_counts().items()}
+            result["optimizer step"] = {
+                str(op).split(".")[-1]: count for op, count in optimizer_step.get_comm_counts().items()
+            }
+            result["norm gradients"] = sorted(norm_gradients)
+    wholes = dict(whole.named_parameters())
+    result["parameter difference"] = max(
+        (parameter.full_tensor() - wholes[name]).abs().max().item() for name, parameter in split.named_parameters()
+    )
+    return result
 
 
 def memory_per_rank(env, config: dict, batch: int) -> dict:
