@@ -10,7 +10,8 @@ In float64 without dropout, so that the versions compute the same numbers to rou
   where tensor parallelism makes one all-reduce; a ring moves the same bytes per rank either way;
 - what each rank saves for backward: 1/t of the whole GPT's with ``regather``;
 - torch's ``parallelize_gpt`` with ``loss_parallel``: two AdamW steps end where the whole GPT's do, with the
-  all-gathers and reduce-scatters that ``CommDebugMode`` counts.
+  all-gathers and reduce-scatters that ``CommDebugMode`` counts; the norms' gradients stay ``Partial`` after
+  backward, and AdamW's step all-reduces them, three times each.
 """
 
 import pytest
