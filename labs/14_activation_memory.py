@@ -303,12 +303,12 @@ def train(args, env):
 
     set_seed(args.seed)  # the same weights on every rank
     model = GPT(text.vocab_size, args.context, args.d_model, args.heads, args.layers, args.dropout).to(env.device)
+    print0(f"text: {text.source}, {text.num_bytes:,} bytes; {len(text.train):,} training windows of {args.context}")
+    print0(f"GPT: {sum(p.numel() for p in model.parameters()):,} parameters")
     net = parallelize(model, args, env)
     # Dropout: where ranks hold different activations (data, sequence parallelism), each draws its own masks.
     set_seed(args.seed, env.rank if args.parallel in ("data", "sequence", "torch-sequence") else 0)
     optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr, foreach=False)  # foreach: plain tensors only
-    print0(f"text: {text.source}, {text.num_bytes:,} bytes; {len(text.train):,} training windows of {args.context}")
-    print0(f"GPT: {sum(p.numel() for p in model.parameters()):,} parameters before the split")
 
     history = []
     for epoch in range(args.epochs):
