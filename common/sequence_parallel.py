@@ -140,17 +140,21 @@ class GatherThenLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard, weight, bias, group=None):
-        ctx.group = group
+        ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(shard, weight)
         return F.linear(all_gather_sequence(shard, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         shard, weight = ctx.saved_tensors
-        whole = all_gather_sequence(shard, ctx.group)  # again: the price of not keeping it
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:  # all ranks build the same graph, so all of them call this all-gather or none
+            whole = all_gather_sequence(shard, ctx.group)  # again: the price of not keeping it
+            grad_weight = grad_output.flatten(0, -2).T @ whole.flatten(0, -2)
         grad_input = reduce_scatter_sequence(grad_output @ weight, ctx.group)
-        grad_weight = grad_output.flatten(0, -2).T @ whole.flatten(0, -2)
-        return grad_input, grad_weight, grad_output.flatten(0, -2).sum(0), None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.flatten(0, -2).sum(0)
+        return grad_input, grad_weight, grad_bias, None
 
 
 class SequenceParallelSelfAttention(TensorParallelSelfAttention):
@@ -207,7 +211,13 @@ def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
 def all_reduce_replicated_gradients(model: nn.Module, group=None) -> None:
     """Sum the gradients of ``replicated_parameters`` over ``group``, in one flat all-reduce. Under sequence
     parallelism each rank computed them from its own tokens only: each is one term of the whole gradient."""
-    grads = [p.grad for p in replicated_parameters(model) if p.grad is not None]
+    parameters = [p for p in replicated_parameters(model) if p.requires_grad]
+    if not parameters:
+        return
+    for p in parameters:  # a missing gradient counts as zero, so that every rank sends the same layout
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in parameters]
     flat = torch.cat([grad.reshape(-1) for grad in grads])
     dist.all_reduce(flat, group=group)
     for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads])):
