@@ -15,6 +15,7 @@ import torch
 
 from common.activations import saved_tensors
 from common.collectives import count_collectives
+from common.distributed import ConfigurationError, DistEnv
 from common.experiments.activations import build_gpt, token_batch
 from common.gpt import next_token_loss
 from common.launch import run_on_ranks
@@ -111,3 +112,11 @@ def test_the_script_trains_with_them_and_keeps_the_replicated_parameters_in_sync
         assert epoch["in sync"] is True
         assert 0 < epoch["validation loss"] < 6 and 0 < epoch["train loss"] < 6  # ln 256 = 5.55 at the start
     assert results[0]["history"] == results[1]["history"]  # every rank reports the same figures
+
+
+def test_the_script_refuses_a_context_that_does_not_divide_by_the_ranks_before_reading_any_text():
+    lab = load_lab(LAB, NEEDS)
+    args = lab.parse_args(["--parallel", "sequence", "--context", "30", "--text", "no/such/file.txt"])
+    env = DistEnv(rank=0, local_rank=0, world_size=4, backend="gloo", device=torch.device("cpu"))
+    with pytest.raises(ConfigurationError, match="--context 30 does not divide by the 4 ranks"):
+        lab.train(args, env)
