@@ -189,9 +189,9 @@ for mode, result in table.items():
 #
 # ## 5. Sequence parallelism on two processes
 #
-# Tensor parallelism (lesson 12) splits the attention and the MLP. The norms, the dropouts and the residual sums
+# Tensor parallelism (lesson 12) splits the attention and the MLP. The norms, the dropouts and the residual stream
 # still hold the whole sequence on every rank. Sequence parallelism cuts those along the sequence. It replaces each
-# all-reduce by an all-gather before the block and a reduce-scatter after it.
+# all-reduce by an all-gather before the attention or the MLP and a reduce-scatter after it.
 #
 # The cell runs one step four ways on each rank, in float64 without dropout: the whole GPT, tensor parallelism,
 # sequence parallelism, and sequence parallelism that keeps only its shard of the linears' input (`regather`).
