@@ -8,6 +8,10 @@ What every script uses:
 - ``common.cli``: argument types shared by the scripts.
 - ``common.data``: data sets by name (``digits`` works offline) and loaders sharded over ranks.
 - ``common.models``: ``LeNet``, ``SimpleCNN`` and ``DeepMLP`` (the sharding lessons' model).
+- ``common.gpt``: a small GPT for lessons 13-16, built from lesson 12's transformer layer: its next-token loss and
+  sampling.
+- ``common.text``: real text without a network for that GPT: files read as bytes (by default PyTorch's own
+  ``torch/nn/modules`` sources), split 90/10 into windows for next-byte prediction.
 - ``common.training``: what every training script shares: its options, loaders, progress bar and epoch figures.
 - ``common.metrics``: exact distributed evaluation, a run's summary and its JSON file, timing.
 - ``common.reports``: what the measuring solutions write for people to read: tables, JSON and plots.
@@ -44,11 +48,19 @@ What a lesson builds or shows:
 - ``common.tensor_parallel`` (12): tensor parallelism by hand (Megatron-LM): the f and g autograd functions,
   column- and row-parallel linears, the MLP and self-attention split by heads, a transformer layer, torch's DTensor
   version, and the 2-D mesh of data-parallel replicas x tensor-parallel ranks.
+- ``common.activations`` (13): where a transformer layer's activation memory goes: the formula term by term, and
+  two measurements (the tensors autograd saves, and the memory forward leaves alive).
+- ``common.recompute`` (13): activation recomputation: by hand (an autograd function that replays the random
+  state), torch's full ``checkpoint`` and its selective version, applied to a model's blocks.
+- ``common.sequence_parallel`` (13): sequence parallelism by hand (all-gather and reduce-scatter as conjugate
+  autograd functions, the split GPT), and torch's (``SequenceParallel``, a vocabulary-parallel head, ``loss_parallel``).
 
 What the notebooks and benchmarks measure with them (timings, spawned experiments, plots), apart from the mechanism:
 
 - ``common.experiments``: one module per lesson: ``ddp_by_hand`` (08: a bucket timeline), ``zero`` (08: live
   tensor bytes, ZeRO's memory per phase and ZeRO-3's time with and without prefetch), ``compression`` (10: a hook
   called on a bucket built by hand, error feedback's drift), ``pipeline`` (11: timed schedules, gradients against
-  ``torch.distributed.pipelining``, the timeline plot) and ``tensor_parallel`` (12: the notebook's measurements).
+  ``torch.distributed.pipelining``, the timeline plot), ``tensor_parallel`` (12: the notebook's measurements) and
+  ``activations`` (13: a layer's saved bytes against the formula, the recomputation table, sequence parallelism
+  against tensor parallelism, memory per rank).
 """

@@ -212,22 +212,24 @@ def wrapped_dist_functions(names, make_wrapper):
             setattr(dist, name, original)
 
 
-def all_gather_into(output: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-    """All-gather every rank's equal-sized ``shard`` into ``output`` (rank 0's first): ``dist.all_gather_single``.
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, async_op: bool = False, group=None):
+    """All-gather every rank's equal-sized ``shard`` into ``output`` (rank 0's first): ``dist.all_gather_single``
+    over ``group`` (None: every rank).
 
     PyTorch 2.14 renamed ``all_gather_into_tensor`` to ``all_gather_single`` and deprecated the old name; older
     versions (the GPU machine's 2.11, say) may have only the old one. Looked up at each call, so that
     ``count_collectives`` sees it.
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, shard, async_op=async_op)
+    return gather(output, shard, group=group, async_op=async_op)
 
 
-def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-    """Sum ``input`` over ranks and leave rank r's r-th equal chunk of the sum in ``output``:
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group=None):
+    """Sum ``input`` over the ranks of ``group`` (None: every rank) and leave rank r's r-th equal chunk of the sum in
+    ``output``:
     ``dist.reduce_scatter_single`` (``reduce_scatter_tensor`` before PyTorch 2.14; see ``all_gather_into``)."""
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return reduce_scatter(output, input, async_op=async_op)
+    return reduce_scatter(output, input, group=group, async_op=async_op)
 
 
 # The tensor whose size a collective's bytes are counted from: the one it reduces, broadcasts or gathers in full.

@@ -185,16 +185,24 @@ class RowParallelLinear(nn.Module):
 
 class FeedForward(nn.Module):
     """A transformer's MLP, whole: ``Linear(d_model, hidden) -> GELU -> Linear(hidden, d_model)``; hidden is 4 d_model
-    unless given. The single-process reference that ``TensorParallelMLP`` and torch's ``parallelize_module`` split."""
+    unless given. The single-process reference that ``TensorParallelMLP`` and torch's ``parallelize_module`` split.
+    ``dropout``: the probability of dropout on its output in training (lesson 13's GPT; 0, none, in lesson 12)."""
 
-    def __init__(self, d_model: int, hidden: int | None = None):
+    def __init__(self, d_model: int, hidden: int | None = None, dropout: float = 0.0):
         super().__init__()
         hidden = 4 * d_model if hidden is None else hidden
         self.up = nn.Linear(d_model, hidden)
         self.down = nn.Linear(hidden, d_model)
+        self.dropout = dropout
 
     def forward(self, X):
-        return self.down(F.gelu(self.up(X)))
+        return maybe_dropout(self.down(F.gelu(self.up(X))), self.dropout, self.training)
+
+
+def maybe_dropout(X: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``F.dropout(X, p)`` in training when ``p`` > 0; ``X`` itself otherwise, so that a model without dropout saves
+    no mask for backward."""
+    return F.dropout(X, p, training=True) if p and training else X
 
 
 class TensorParallelMLP(nn.Module):
@@ -205,9 +213,9 @@ class TensorParallelMLP(nn.Module):
     (``up.weight``, ..., ``down.bias``) and hold this rank's slices of them.
     """
 
-    def __init__(self, up: ColumnParallelLinear, down: RowParallelLinear):
+    def __init__(self, up: ColumnParallelLinear, down: RowParallelLinear, dropout: float = 0.0):
         super().__init__()
-        self.up, self.down = up, down
+        self.up, self.down, self.dropout = up, down, dropout
 
     @classmethod
     def from_full(cls, mlp: FeedForward, rank: int, world_size: int, group=None) -> "TensorParallelMLP":
@@ -216,42 +224,55 @@ class TensorParallelMLP(nn.Module):
         return cls(
             ColumnParallelLinear.from_full(mlp.up, rank, world_size, group),
             RowParallelLinear.from_full(mlp.down, rank, world_size, group),
+            mlp.dropout,
         )
 
     def forward(self, X):
-        return self.down(F.gelu(self.up(X)))
+        # The dropout after g acts on the whole output, the same on every rank: it needs the same mask on each.
+        return maybe_dropout(self.down(F.gelu(self.up(X))), self.dropout, self.training)
 
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention, whole: query, key and value projections (``q``, ``k``, ``v``), scaled dot-product
-    attention per head, and an output projection ``out``. No mask and no dropout: the split is the point.
+    attention per head, and an output projection ``out``. Lesson 12 uses it without mask and dropout: the split is
+    the point. Lesson 13's GPT sets ``causal`` (a token attends to itself and the tokens before it) and ``dropout``
+    (on the attention probabilities and on the output, in training).
 
     The projections are separate linears, as in torchtitan, so that head ``h`` is the output features
     ``h * head_dim`` to ``(h + 1) * head_dim`` of each of them, and a contiguous column shard is whole heads.
     """
 
-    def __init__(self, d_model: int, num_heads: int):
+    def __init__(self, d_model: int, num_heads: int, causal: bool = False, dropout: float = 0.0):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} does not divide into num_heads={num_heads} heads")
         self.num_heads, self.head_dim = num_heads, d_model // num_heads
         self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
         self.out = nn.Linear(d_model, d_model)
+        self.causal, self.dropout = causal, dropout
 
     def forward(self, X):
-        return self.out(attend(self.q(X), self.k(X), self.v(X), self.head_dim))
+        p = self.dropout if self.training else 0.0
+        mixed = attend(self.q(X), self.k(X), self.v(X), self.head_dim, self.causal, p)
+        return maybe_dropout(self.out(mixed), p, self.training)
 
 
-def attend(queries, keys, values, head_dim: int):
+def attend(queries, keys, values, head_dim: int, causal: bool = False, dropout: float = 0.0):
     """Scaled dot-product attention on every head of ``(batch, seq, heads * head_dim)`` projections; the heads'
-    outputs side by side, in the same layout. Each head only ever sees its own features."""
+    outputs side by side, in the same layout. Each head only ever sees its own features.
+
+    ``causal``: position i attends to positions 0..i only, by adding minus infinity to the later scores (an
+    addition saves nothing for backward). ``dropout``: the probability of dropping an attention weight (pass 0
+    outside training)."""
     batch, seq, width = queries.shape
 
     def heads(T):  # (batch, seq, heads * head_dim) -> (batch, heads, seq, head_dim)
         return T.view(batch, seq, width // head_dim, head_dim).transpose(1, 2)
 
     scores = heads(queries) @ heads(keys).transpose(-2, -1) / math.sqrt(head_dim)
-    mixed = scores.softmax(dim=-1) @ heads(values)
+    if causal:
+        scores = scores + torch.full((seq, seq), float("-inf"), device=scores.device, dtype=scores.dtype).triu(1)
+    mixed = maybe_dropout(scores.softmax(dim=-1), dropout, training=True) @ heads(values)
     return mixed.transpose(1, 2).reshape(batch, seq, width)
 
 
@@ -263,9 +284,17 @@ class TensorParallelSelfAttention(nn.Module):
     local heads alone; ``out`` is row-parallel over the same features, and its ``g`` is the forward all-reduce.
     """
 
-    def __init__(self, qkv: ColumnParallelLinear, out: RowParallelLinear, head_dim: int):
+    def __init__(
+        self,
+        qkv: ColumnParallelLinear,
+        out: RowParallelLinear,
+        head_dim: int,
+        causal: bool = False,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.qkv, self.out, self.head_dim = qkv, out, head_dim
+        self.causal, self.dropout = causal, dropout
 
     @classmethod
     def from_full(
@@ -280,23 +309,26 @@ class TensorParallelSelfAttention(nn.Module):
         qkv = ColumnParallelLinear(
             torch.cat([p.weight[rows] for p in projections]), torch.cat([p.bias[rows] for p in projections]), group
         )
-        return cls(qkv, RowParallelLinear.from_full(attention.out, rank, world_size, group), attention.head_dim)
+        out = RowParallelLinear.from_full(attention.out, rank, world_size, group)
+        return cls(qkv, out, attention.head_dim, attention.causal, attention.dropout)
 
     def forward(self, X):
+        p = self.dropout if self.training else 0.0
         queries, keys, values = self.qkv(X).chunk(3, dim=-1)
-        return self.out(attend(queries, keys, values, self.head_dim))
+        return maybe_dropout(self.out(attend(queries, keys, values, self.head_dim, self.causal, p)), p, self.training)
 
 
 class TransformerBlock(nn.Module):
     """One pre-norm transformer layer, whole: ``X + attention(norm(X))``, then that plus ``mlp(norm(...))``. The
-    norms stay whole on every rank under tensor parallelism; ``shard_block`` splits the attention and the MLP."""
+    norms stay whole on every rank under tensor parallelism; ``shard_block`` splits the attention and the MLP.
+    ``causal`` and ``dropout`` go to the attention (and ``dropout`` to the MLP): lesson 13's GPT sets them."""
 
-    def __init__(self, d_model: int, num_heads: int):
+    def __init__(self, d_model: int, num_heads: int, causal: bool = False, dropout: float = 0.0):
         super().__init__()
         self.attention_norm = nn.LayerNorm(d_model)
-        self.attention = SelfAttention(d_model, num_heads)
+        self.attention = SelfAttention(d_model, num_heads, causal, dropout)
         self.mlp_norm = nn.LayerNorm(d_model)
-        self.mlp = FeedForward(d_model)
+        self.mlp = FeedForward(d_model, dropout=dropout)
 
     def forward(self, X):
         X = X + self.attention(self.attention_norm(X))

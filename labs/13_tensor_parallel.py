@@ -76,7 +76,7 @@ from common.tensor_parallel import (
 
 from common.training import progress_bar, training_arguments
 # What the functions you write below use:
-from common.tensor_parallel import FeedForward, SelfAttention, attend, shard_range
+from common.tensor_parallel import FeedForward, SelfAttention, attend, maybe_dropout, shard_range
 
 
 class CopyToTensorParallel(torch.autograd.Function):
@@ -191,9 +191,9 @@ class TensorParallelMLP(nn.Module):
     (``up.weight``, ..., ``down.bias``) and hold this rank's slices of them.
     """
 
-    def __init__(self, up: ColumnParallelLinear, down: RowParallelLinear):
+    def __init__(self, up: ColumnParallelLinear, down: RowParallelLinear, dropout: float = 0.0):
         super().__init__()
-        self.up, self.down = up, down
+        self.up, self.down, self.dropout = up, down, dropout
 
     @classmethod
     def from_full(cls, mlp: FeedForward, rank: int, world_size: int, group=None) -> "TensorParallelMLP":
@@ -202,10 +202,12 @@ class TensorParallelMLP(nn.Module):
         return cls(
             ColumnParallelLinear.from_full(mlp.up, rank, world_size, group),
             RowParallelLinear.from_full(mlp.down, rank, world_size, group),
+            mlp.dropout,
         )
 
     def forward(self, X):
-        return self.down(F.gelu(self.up(X)))
+        # The dropout after g acts on the whole output, the same on every rank: it needs the same mask on each.
+        return maybe_dropout(self.down(F.gelu(self.up(X))), self.dropout, self.training)
 
 
 class TensorParallelSelfAttention(nn.Module):
@@ -216,9 +218,17 @@ class TensorParallelSelfAttention(nn.Module):
     local heads alone; ``out`` is row-parallel over the same features, and its ``g`` is the forward all-reduce.
     """
 
-    def __init__(self, qkv: ColumnParallelLinear, out: RowParallelLinear, head_dim: int):
+    def __init__(
+        self,
+        qkv: ColumnParallelLinear,
+        out: RowParallelLinear,
+        head_dim: int,
+        causal: bool = False,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.qkv, self.out, self.head_dim = qkv, out, head_dim
+        self.causal, self.dropout = causal, dropout
 
     @classmethod
     def from_full(
@@ -233,11 +243,13 @@ class TensorParallelSelfAttention(nn.Module):
         qkv = ColumnParallelLinear(
             torch.cat([p.weight[rows] for p in projections]), torch.cat([p.bias[rows] for p in projections]), group
         )
-        return cls(qkv, RowParallelLinear.from_full(attention.out, rank, world_size, group), attention.head_dim)
+        out = RowParallelLinear.from_full(attention.out, rank, world_size, group)
+        return cls(qkv, out, attention.head_dim, attention.causal, attention.dropout)
 
     def forward(self, X):
+        p = self.dropout if self.training else 0.0
         queries, keys, values = self.qkv(X).chunk(3, dim=-1)
-        return self.out(attend(queries, keys, values, self.head_dim))
+        return maybe_dropout(self.out(attend(queries, keys, values, self.head_dim, self.causal, p)), p, self.training)
 
 
 INPUT_SHAPE = (1, 28, 28)  # (channels, height, width): 28 tokens (rows) of 28 pixels

@@ -212,11 +212,14 @@ def imports_for(definitions: list[Definition], bound: set[str]) -> list[str]:
                 }
                 for each in defined & used:
                     from_module.setdefault(module, set()).add(each)
-    lines = [
-        *sorted(plain),
-        *(f"from {module} import {', '.join(sorted(names))}" for module, names in sorted(from_module.items())),
-    ]
+    lines = [*sorted(plain), *(import_line(module, sorted(names)) for module, names in sorted(from_module.items()))]
     return ["# What the functions you write below use:", *lines] if lines else []
+
+
+def import_line(module: str, names: list[str], width: int = 120) -> str:
+    """``from module import a, b``, or one name a line in parentheses when that is wider than ``width``."""
+    line = f"from {module} import {', '.join(names)}"
+    return line if len(line) <= width else "\n".join([f"from {module} import (", *(f"    {n}," for n in names), ")"])
 
 
 def main(argv=None) -> int:

@@ -201,6 +201,15 @@ NOT_RUN = {
     "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_13_tensor_parallel.py":
         "a starter fails its lab tests until the reader finishes it; "
         "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
+    ".venv/bin/python -m pytest tests/test_activations.py tests/test_sequence_parallel.py "
+    "tests/labs/test_14_activation_memory.py": "test files of this suite, which the suite runs itself",
+    "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_14_activation_memory.py":
+        "a starter fails its lab tests until the reader finishes it; "
+        "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
+    "torchrun --standalone --nproc_per_node=4 solutions/14_activation_memory.py --parallel sequence --regather "
+    "--d-model 512 --heads 8 --layers 8 --context 512 --batch-size 8":
+        f"{FOUR_GPUS}; its CPU twins (--parallel sequence, torch-sequence) run here, and "
+        "tests/test_sequence_parallel.py checks --regather on 2 and 4 ranks",
 }
 # fmt: on
 
@@ -343,7 +352,8 @@ SLOW_COMMANDS = {
     "solutions/11_powersgd.py:2", "solutions/11_powersgd.py:3", "solutions/11_powersgd.py:4",
     "solutions/11_powersgd.py:5", "solutions/11_powersgd.py:6", "solutions/11_powersgd.py:7",
     "solutions/11_powersgd.py:8", "solutions/01_ddp_basic.py:4", "solutions/01_ddp_basic.py:5",
-    "solutions/12_pipeline.py:2", "solutions/12_pipeline.py:3",
+    "solutions/12_pipeline.py:2", "solutions/12_pipeline.py:3", "solutions/14_activation_memory.py:2",
+    "solutions/14_activation_memory.py:3", "solutions/14_activation_memory.py:4",
 }  # fmt: skip
 
 
