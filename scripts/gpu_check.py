@@ -155,6 +155,23 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
             180,
         ),
         Step(
+            "14: the GPT on text, activations recomputed by hand",
+            "solutions",
+            [
+                *torchrun,
+                "solutions/14_activation_memory.py",
+                "--recompute",
+                "by-hand",
+                "--epochs",
+                "1",
+                "--max-batches-per-epoch",
+                "5",
+                "--val-batches",
+                "2",
+            ],
+            120,
+        ),
+        Step(
             "mixed precision",
             "benchmarks",
             [
