@@ -184,8 +184,8 @@ for mode, result in table.items():
 # Full recomputation keeps a small fraction of what no recomputation keeps. Its peak is higher than what it keeps.
 # During backward one block's activations exist again, for a moment. Selective recomputation keeps the linears'
 # outputs, so it keeps more and recomputes less. The dropout masks came out the same because the random state was
-# put back. The times come from a shared CPU and move with the load. A recomputed forward costs about one more
-# forward per step.
+# put back. The times come from a shared CPU and move with the load. In theory a recomputed forward costs one more
+# forward per step, about a third more. On this shared CPU the steps took 41% to 79% longer.
 #
 # ## 5. Sequence parallelism on two processes
 #
@@ -242,7 +242,8 @@ print(f"torch's norm gradients after backward: {torch_checks[0]['norm gradients'
 # %% [markdown]
 # Each all-reduce of tensor parallelism became an all-gather and a reduce-scatter of the same tensor. On a ring,
 # that pair sends what the all-reduce sends. Backward adds one all-reduce, of the replicated parameters' gradients.
-# Each rank computed those from its own tokens only. `regather` gathers each linear's input once more in backward.
+# Each rank computed those from its own tokens only. `regather` gathers each attention's and each MLP's input once
+# more in backward: 8 more all-gathers.
 #
 # torch's version leaves the norms' gradients as partial sums. Its AdamW step then sums each of them at every use.
 #
@@ -254,9 +255,10 @@ for version, check in checks[0].items():
     print(f"{version:<28} {mib(check['saved'])}  = {check['saved'] / whole:.3f} of the whole GPT's")
 
 # %% [markdown]
-# Tensor parallelism keeps more than half on each rank. The norms' inputs and outputs, the masks and the residual
-# sums stay whole. Sequence parallelism cuts them in two. With `regather` each rank keeps exactly half, a few
-# scalars aside.
+# Tensor parallelism keeps more than half on each rank. The norms' inputs, and the linears' inputs (the norms'
+# outputs), stay whole. This run has no dropout, so no masks. Sequence parallelism cuts the norms' inputs in two.
+# The linears still keep the gathered, whole sequence. With `regather` they keep only their shard too, and each rank
+# keeps exactly half, a few scalars aside.
 #
 # ## 6. Memory per rank, all together
 #
