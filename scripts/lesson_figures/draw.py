@@ -1,11 +1,13 @@
 """Drawing helpers the lessons' figures share: boxes, arrows, and a save that writes the same bytes every time."""
 
+import json
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import FancyBboxPatch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,3 +45,16 @@ def save(fig, path: Path) -> None:
     """Write ``fig`` as a PNG with no date or version in its metadata, so a redraw gives the same file."""
     fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
+
+
+def tint(colour: str, amount: float = 0.6) -> tuple:
+    """``colour`` mixed with white: ``amount`` 0 keeps it, 1 gives white."""
+    return tuple(c + (1 - c) * amount for c in to_rgb(colour))
+
+
+def printed_by_cell(notebook: Path, cell_id: str) -> str:
+    """What one cell of a committed notebook printed (its stream outputs)."""
+    for cell in json.loads(notebook.read_text())["cells"]:
+        if cell.get("id") == cell_id:
+            return "".join("".join(out["text"]) for out in cell.get("outputs", []) if out["output_type"] == "stream")
+    raise KeyError(cell_id)

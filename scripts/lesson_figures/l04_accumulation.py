@@ -1,10 +1,10 @@
 """Lesson 04's pictures: the effective batch, the loss division, no_sync on a timeline, which micro-steps step,
 and two measured plots (the learning-rate runs, the rounding drift)."""
 
-import json
 import re
 from pathlib import Path
 
+from . import draw
 from .draw import COMMUNICATE, COMPUTE, RANK_COLOURS, REPO, RESULTS, box, canvas, plt, save
 
 NOTEBOOK = REPO / "notebooks" / "04_gradient_accumulation.ipynb"
@@ -14,11 +14,7 @@ STEP = "#c7e9c0"  # clip, optimizer step, zero_grad
 
 
 def printed_by_cell(cell_id: str) -> str:
-    """What one cell of the committed notebook printed (its stream outputs)."""
-    for cell in json.loads(NOTEBOOK.read_text())["cells"]:
-        if cell.get("id") == cell_id:
-            return "".join("".join(out["text"]) for out in cell.get("outputs", []) if out["output_type"] == "stream")
-    raise KeyError(cell_id)
+    return draw.printed_by_cell(NOTEBOOK, cell_id)
 
 
 def effective_batch(path: Path) -> None:

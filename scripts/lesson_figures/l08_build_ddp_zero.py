@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from . import draw
 from .draw import COMMUNICATE, COMPUTE, IDLE, RANK_COLOURS, REPO, RESULTS, box, canvas, plt, save
 
 NOTEBOOK = REPO / "notebooks" / "08_build_ddp_and_zero.ipynb"
@@ -15,11 +16,7 @@ PARAMETERS, GRADIENTS, OPTIMIZER = "#9ecae1", "#fdae6b", "#a1d99b"
 
 
 def printed_by_cell(cell_id: str) -> str:
-    """What one cell of the committed notebook printed (its stream outputs)."""
-    for cell in json.loads(NOTEBOOK.read_text())["cells"]:
-        if cell.get("id") == cell_id:
-            return "".join("".join(out["text"]) for out in cell.get("outputs", []) if out["output_type"] == "stream")
-    raise KeyError(cell_id)
+    return draw.printed_by_cell(NOTEBOOK, cell_id)
 
 
 def three_builds_timeline(path: Path) -> None:

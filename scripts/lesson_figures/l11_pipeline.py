@@ -3,13 +3,13 @@ rules by ``common.experiments.pipeline.replay``), the activations they hold, une
 bubble, a pipeline with data parallelism, and two measured plots (the bubble against m, and pipelines against DDP
 on a slow link)."""
 
-import json
 import re
 from pathlib import Path
 
 from common.experiments.pipeline import replay, replay_schedule, torch_schedule_order
 from common.pipeline import BACKWARD, FORWARD, measured_bubble_fraction
 
+from . import draw
 from .draw import IDLE, RANK_COLOURS, REPO, RESULTS, arrow, box, canvas, plt, save
 
 NOTEBOOK = REPO / "notebooks" / "11_pipeline_parallelism.ipynb"
@@ -20,11 +20,7 @@ EXAMPLE = "illustrative: equal stages, a backward twice a forward, messages free
 
 
 def printed_by_cell(cell_id: str) -> str:
-    """What one cell of the committed notebook printed (its stream outputs)."""
-    for cell in json.loads(NOTEBOOK.read_text())["cells"]:
-        if cell.get("id") == cell_id:
-            return "".join("".join(out["text"]) for out in cell.get("outputs", []) if out["output_type"] == "stream")
-    raise KeyError(cell_id)
+    return draw.printed_by_cell(NOTEBOOK, cell_id)
 
 
 def draw_timeline(axes, records: list[dict], title: str, colour_by_stage: bool = False) -> None:

@@ -6,25 +6,15 @@ import json
 import re
 from pathlib import Path
 
-from matplotlib.colors import to_rgb
-
-from .draw import COMMUNICATE, COMPUTE, IDLE, RANK_COLOURS, REPO, RESULTS, arrow, box, canvas, plt, save
+from . import draw
+from .draw import COMMUNICATE, COMPUTE, IDLE, RANK_COLOURS, REPO, RESULTS, arrow, box, canvas, plt, save, tint
 
 NOTEBOOK = REPO / "notebooks" / "12_tensor_parallelism.ipynb"
 CLUSTER_RESULTS = RESULTS / "cluster_network.json"
 
 
-def tint(colour: str, amount: float = 0.6) -> tuple:
-    """``colour`` mixed with white: ``amount`` 0 keeps it, 1 gives white. Black text stays readable on it."""
-    return tuple(c + (1 - c) * amount for c in to_rgb(colour))
-
-
 def printed_by_cell(cell_id: str) -> str:
-    """What one cell of the committed notebook 12 printed (its stream outputs)."""
-    for cell in json.loads(NOTEBOOK.read_text())["cells"]:
-        if cell.get("id") == cell_id:
-            return "".join("".join(out["text"]) for out in cell.get("outputs", []) if out["output_type"] == "stream")
-    raise KeyError(cell_id)
+    return draw.printed_by_cell(NOTEBOOK, cell_id)
 
 
 def mlp_columns_then_rows(path: Path) -> None:

@@ -2,32 +2,21 @@
 collectives of sequence parallelism, a layer cut by heads and by the sequence; and three measured plots from
 notebook 13 (a layer's bytes against the sequence length, the recomputation table, memory per rank)."""
 
-import json
 import re
 from pathlib import Path
 
-from matplotlib.colors import to_rgb
-
 from common.activations import activation_bytes_per_layer
 
-from .draw import COMMUNICATE, COMPUTE, IDLE, MEMORY, RANK_COLOURS, REPO, arrow, box, canvas, plt, save
+from . import draw
+from .draw import COMMUNICATE, COMPUTE, IDLE, MEMORY, RANK_COLOURS, REPO, arrow, box, canvas, plt, save, tint
 
 NOTEBOOK = REPO / "notebooks" / "13_memory_and_sequence_parallelism.ipynb"
 # The cells whose printed output the measured plots read (their ids in the committed notebook).
 SWEEP_CELL, RECOMPUTE_CELL, PER_RANK_CELL = "c82935ad", "088a4092", "58ba4177"
 
 
-def tint(colour: str, amount: float = 0.6) -> tuple:
-    """``colour`` mixed with white: ``amount`` 0 keeps it, 1 gives white."""
-    return tuple(c + (1 - c) * amount for c in to_rgb(colour))
-
-
 def printed_by_cell(cell_id: str) -> str:
-    """What one cell of the committed notebook 13 printed (its stream outputs)."""
-    for cell in json.loads(NOTEBOOK.read_text())["cells"]:
-        if cell.get("id") == cell_id:
-            return "".join("".join(out["text"]) for out in cell.get("outputs", []) if out["output_type"] == "stream")
-    raise KeyError(cell_id)
+    return draw.printed_by_cell(NOTEBOOK, cell_id)
 
 
 GROUP_COLOURS = {
