@@ -1,0 +1,162 @@
+"""Lesson 16's planner (``common.planner``): its memory prediction against what lesson 13's GPT really holds, its
+enumeration on hand-made shapes, its ranking on hand-made clusters whose answer is obvious, and bad input.
+
+The measurement is ``common.experiments.activations.step_memory``: one AdamW step of ``common.gpt.GPT`` on one CPU
+process, the model state read from the tensors themselves (``common.memory.local_bytes``) and the activations from
+the storages that forward leaves alive (``common.activations.HeldMemory``), not from any formula. Tolerance: the
+model state exactly; the activations within 1%, for what the formula leaves out (the loss itself and a few
+small tensors, about 1 KiB here).
+"""
+
+import pytest
+
+from common.experiments.activations import build_gpt, step_memory
+from common.planner import (
+    MESH_ORDER,
+    MODELS,
+    Cluster,
+    Config,
+    Model,
+    Training,
+    activation_bytes,
+    enumerate_configs,
+    link,
+    pipeline_divides,
+    predict_memory,
+    predict_step_time,
+    rank_configs,
+)
+
+GPT_CONFIG = dict(context=32, d_model=32, num_heads=4, num_layers=2, dropout=0.1)
+BATCH = 4
+SMALL_GPT = Model("small gpt", 2, 32, 4, 256, 32, dropout=True, biases=True, learned_positions=True)
+# One CPU process: the memory is not the point here; masks in the activations' dtype, as on a CPU (lesson 13).
+ONE_CPU = Cluster("one CPU process", 1, 1, 1e9, 1e11, 0, 0, 0, 0, mask_bytes=None)
+
+
+def two_nodes(inter_beta: float, memory_bytes: float = 1e12) -> Cluster:
+    """2 nodes of 4 devices: a fast link inside a node, ``inter_beta`` seconds per byte between nodes."""
+    return Cluster("2 x 4", 4, 2, memory_bytes, 1e12, 1e-6, 1e-10, 1e-5, inter_beta)
+
+
+# A model whose every dimension divides by 8, so that every mesh of 8 devices is allowed.
+WIDE = Model("wide", layers=8, hidden=1024, heads=16, vocab=1024, seq=256)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_predicted_memory_of_lesson_13s_gpt_is_what_one_process_measures(recompute):
+    assert SMALL_GPT.num_parameters() == sum(p.numel() for p in build_gpt(GPT_CONFIG).parameters())
+    config = Config(micro_batch=BATCH, recompute=recompute)
+    training = Training(BATCH, precision="fp32")
+    predicted = predict_memory(SMALL_GPT, ONE_CPU, training, config)
+    measured = step_memory(GPT_CONFIG, BATCH, recompute)
+    for part in ("parameters", "gradients", "optimizer"):
+        assert predicted[part] == measured[part], part
+    # Measured after forward: what recomputation keeps, without the one block it rebuilds at a time in backward.
+    activations = activation_bytes(SMALL_GPT, ONE_CPU, training, config)
+    kept = activations["total"] - activations["recompute buffer"]
+    assert kept == pytest.approx(measured["activations"], rel=0.01)
+
+
+def test_the_enumeration_keeps_exactly_the_meshes_the_shapes_allow():
+    # 4 devices; 2 layers, 2 heads, a sequence of 4 and a batch of 2: every degree is 1 or 2 (tp 4 > 2 heads, pp 4
+    # leaves no block to the end stages, 2 cp = 8 > the sequence, dp 4 > the batch). Products of 4: two of them 2.
+    model = Model("tiny", layers=2, hidden=4, heads=2, vocab=8, seq=4)
+    cluster = Cluster("4", 4, 1, 1e9, 1e12, 0, 0, 0, 0)
+    configs = enumerate_configs(model, cluster, Training(2), recompute=("none",), zero_stages=(0,))
+    degrees = {(c.dp, c.tp, c.pp, c.cp) for c in configs}
+    assert degrees == {(2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (1, 2, 2, 1), (1, 2, 1, 2), (1, 1, 2, 2)}
+    batches = {(c.dp, c.micro_batch, c.micro_batches) for c in configs}
+    assert batches == {(2, 1, 1), (1, 1, 2), (1, 2, 1)}  # dp x micro-batch x micro-batches = 2, every way
+
+
+def test_a_pipeline_stage_holds_whole_blocks_llama_3s_126_layers_on_16_stages_included():
+    assert pipeline_divides(126, 7) and pipeline_divides(126, 16)  # 16 x 8 = 126 + 2: end stages take one fewer
+    assert not pipeline_divides(126, 12) and not pipeline_divides(2, 4)  # 2 + 2 = 4 x 1 leaves the ends no block
+    model, cluster = MODELS["llama3-405b"], Cluster("16", 16, 1, 1e12, 1e15, 0, 0, 0, 0)
+    stages = {c.pp for c in enumerate_configs(model, cluster, Training(16), ("none",), (0,))}
+    assert stages == {1, 2, 4, 8, 16}  # 126 = 2 x 63; 128 = 4 x 32 = 8 x 16 = 16 x 8
+
+
+def test_only_the_configurations_under_the_memory_limit_are_ranked():
+    training = Training(8)
+    configs = enumerate_configs(WIDE, two_nodes(1e-9), training)
+    memory = sorted(predict_memory(WIDE, two_nodes(1e-9), training, c)["total"] for c in configs)
+    limit = memory[len(memory) // 2]  # half of them fit
+    ranked = rank_configs(WIDE, two_nodes(1e-9, memory_bytes=limit), training)
+    assert {plan.config for plan in ranked} == {
+        c for c in configs if predict_memory(WIDE, two_nodes(1e-9), training, c)["total"] <= limit
+    }
+    assert 0 < len(ranked) < len(configs)
+    times = [plan.time["total"] for plan in ranked]
+    assert times == sorted(times)
+
+
+def test_the_mesh_is_laid_out_tp_innermost_then_cp_dp_and_pp():
+    assert MESH_ORDER == ("pp", "dp", "cp", "tp")
+    cluster = two_nodes(1e-9)
+    assert link(cluster, Config(dp=2, tp=4), ("tp",))[2] == "intra"  # ranks 0-3 are one node
+    assert link(cluster, Config(dp=2, tp=4), ("dp",))[2] == "inter"  # ranks 0 and 4: two nodes
+    assert link(cluster, Config(dp=4, tp=2), ("tp",))[2] == "intra"
+    assert link(cluster, Config(pp=2, tp=4), ("pp",))[2] == "inter"
+    assert link(cluster, Config(dp=2, cp=2, pp=2), ("dp", "cp"))[2] == "intra"  # dp x cp inside, pp across
+    assert link(cluster, Config(tp=8), ("tp",))[2] == "inter"
+
+
+def test_on_a_slow_inter_node_link_tensor_parallelism_stays_inside_a_node():
+    # Wide layers, short sequences, a small batch: big gradients, small activations, so tensor parallelism pays.
+    wider, training = Model("wider", layers=8, hidden=4096, heads=32, vocab=1024, seq=64), Training(8)
+    even = two_nodes(inter_beta=1e-10)  # between nodes as fast as inside
+    best = rank_configs(wider, even, training)[0].config
+    assert best.tp == 8 and link(even, best, ("tp",))[2] == "inter", best.describe()  # across nodes when free
+    slow = two_nodes(inter_beta=1e-6)  # 1 MB/s between nodes, 10 GB/s inside
+    best = rank_configs(wider, slow, training)[0].config
+    assert best.tp > 1 and link(slow, best, ("tp",))[2] == "intra", best.describe()
+
+
+def test_with_memory_for_a_replica_data_parallelism_wins_and_without_it_the_planner_shards():
+    training, unsharded = Training(64), dict(recompute=("none",), zero_stages=(0,))  # 8 sequences per rank
+    fast = two_nodes(inter_beta=1e-10)
+    best = rank_configs(WIDE, fast, training, **unsharded)[0].config
+    assert (best.dp, best.tp, best.pp, best.cp) == (8, 1, 1, 1), best.describe()
+    replica = predict_memory(WIDE, fast, training, Config(dp=8, micro_batch=1, micro_batches=8))["total"]
+    tight = two_nodes(inter_beta=1e-10, memory_bytes=0.6 * replica)
+    best = rank_configs(WIDE, tight, training, **unsharded)[0].config
+    assert best.tp * best.pp * best.cp > 1, best.describe()  # the model itself is cut
+    best = rank_configs(WIDE, tight, training, recompute=("none",))[0].config
+    assert best.zero > 0 or best.tp * best.pp * best.cp > 1, best.describe()  # or its state, by ZeRO
+
+
+def test_the_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1_of_the_step():
+    free_links = Cluster("8, free links", 8, 1, 1e12, 1e12, 0, 0, 0, 0)
+    for micro_batches in (1, 4, 16):
+        config = Config(dp=1, pp=8, micro_batch=1, micro_batches=micro_batches)
+        time = predict_step_time(WIDE, free_links, Training(micro_batches), config)
+        assert time["bubble"] / time["total"] == pytest.approx(7 / (micro_batches + 7))
+        memory = activation_bytes(WIDE, free_links, Training(micro_batches), config)
+        assert memory["in flight"] == min(micro_batches, 8)  # 1F1B's first stage (lesson 11)
+
+
+def test_a_mesh_that_does_not_cover_the_devices_fails_at_once_saying_so():
+    with pytest.raises(ValueError, match=r"dp 3 x tp 1 x pp 1 x cp 1 = 3 devices, but 2 x 4 has 8"):
+        predict_memory(WIDE, two_nodes(1e-9), Training(3), Config(dp=3, micro_batch=1))
+    with pytest.raises(ValueError, match="tp 3 does not divide the heads 16"):
+        predict_step_time(WIDE, Cluster("3", 3, 1, 1e9, 1e12, 0, 0, 0, 0), Training(1), Config(tp=3))
+
+
+def test_a_model_that_fits_nowhere_fails_with_the_smallest_memory_found_and_the_limit():
+    with pytest.raises(ValueError, match=r"fits no configuration .* smallest memory per device found is .* limit of"):
+        rank_configs(WIDE, two_nodes(1e-9, memory_bytes=1e3), Training(8))
+
+
+def test_shapes_that_allow_no_mesh_fail_with_the_reason():
+    odd = Model("odd", layers=3, hidden=3, heads=3, vocab=8, seq=3)
+    with pytest.raises(ValueError, match="no mesh of 8 devices fits odd's shapes"):
+        rank_configs(odd, two_nodes(1e-9), Training(3))
+    with pytest.raises(ValueError, match="precision"):
+        predict_memory(WIDE, ONE_CPU, Training(1, precision="fp8"), Config())
+
+
+def test_the_presets_have_their_published_sizes():
+    assert MODELS["llama3-405b"].num_parameters() == pytest.approx(405e9, rel=0.01)
+    assert MODELS["llama3-8b"].num_parameters() == pytest.approx(8.03e9, rel=0.01)
