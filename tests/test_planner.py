@@ -8,6 +8,8 @@ model state exactly; the activations within 1%, for what the formula leaves out 
 small tensors, about 1 KiB here).
 """
 
+from argparse import Namespace
+
 import pytest
 
 from common.experiments.activations import build_gpt, step_memory
@@ -26,6 +28,7 @@ from common.planner import (
     predict_step_time,
     rank_configs,
 )
+from tests.conftest import REPO, load_script
 
 GPT_CONFIG = dict(context=32, d_model=32, num_heads=4, num_layers=2, dropout=0.1)
 BATCH = 4
@@ -160,3 +163,13 @@ def test_shapes_that_allow_no_mesh_fail_with_the_reason():
 def test_the_presets_have_their_published_sizes():
     assert MODELS["llama3-405b"].num_parameters() == pytest.approx(405e9, rel=0.01)
     assert MODELS["llama3-8b"].num_parameters() == pytest.approx(8.03e9, rel=0.01)
+
+
+def test_the_plan_script_prints_the_ranked_table_and_the_published_run_beside_it(capsys):
+    plan = load_script(REPO / "scripts" / "plan.py")
+    options = dict(global_batch=None, precision="mixed", top=3, every_stage=False)
+    plan.main(Namespace(model="llama3-8b", cluster="h100x8", **options))
+    printed = capsys.readouterr().out
+    assert "step 1, fit memory" in printed and "5,762 tokens/s per GPU" in printed
+    assert printed.count("(does not fit)") == 2  # the published degrees without and with selective recomputation
+    assert "What this prediction ignores" in printed
