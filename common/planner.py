@@ -43,7 +43,7 @@ NOTES = (
     "What this prediction ignores: communication overlapped with compute (all of it is counted as exposed);",
     "kernel efficiency (compute at the device's peak FLOP/s: real steps reach 30-60% of it, MFU);",
     "stragglers, network contention and congestion; the allocator's fragmentation and the framework's buffers;",
-    "FSDP's re-gathers per micro-batch; uneven pipeline stages; interleaved schedules (plain 1F1B only).",
+    "FSDP's re-gathers per micro-batch; the end stages' unequal compute; interleaved schedules (1F1B only).",
 )
 
 
@@ -249,14 +249,17 @@ def stage_layers(model: Model, pp: int) -> int:
 
 
 def device_parameters(model: Model, config: Config) -> float:
-    """Parameters on the fullest device before ZeRO: the fullest stage's blocks, plus the embedding or the head,
-    whichever is larger (all of them with pp = 1), cut by tp (the linears by Megatron's rule, lesson 12; the embedding
-    and the head by the vocabulary). The norms, which tensor parallelism replicates, are cut too: a small error."""
+    """Parameters on the fullest device before ZeRO, cut by tp (the linears by Megatron's rule, lesson 12; the
+    embedding and the head by the vocabulary; the norms, which tensor parallelism replicates, too: a small error).
+    With pp = 1 all of them; otherwise the fuller of an end stage (its blocks and the embedding or the head,
+    whichever is larger) and a middle stage (``stage_layers`` blocks; Llama 3's end stages hold one fewer)."""
     if config.pp == 1:
         return model.num_parameters() / config.tp
+    blocks = stage_layers(model, config.pp)
+    end_blocks = blocks - (model.layers % config.pp != 0)
     ends = max(model.embedding_parameters(), model.head_parameters())
-    blocks = stage_layers(model, config.pp) - (model.layers % config.pp != 0)  # Llama 3's end stages: one fewer
-    return (blocks * model.layer_parameters() + ends) / config.tp
+    middle = blocks * model.layer_parameters() if config.pp > 2 else 0
+    return max(end_blocks * model.layer_parameters() + ends, middle) / config.tp
 
 
 def layer_activation_bytes(model: Model, micro_batch: int, seq: int, value_bytes: int, mask_bytes: int) -> dict:
@@ -295,7 +298,8 @@ def activation_bytes(model: Model, cluster: Cluster, training: Training, config:
 
     Around the blocks: the embedding's dropout mask (first stage); the final norm's input and statistics, the head's
     input and the loss's log-softmax over the vocabulary in fp32 (last stage; cut by tp as a vocabulary-parallel
-    loss). Under 1F1B the first stage holds ``min(m, p)`` micro-batches at once, the last one (lesson 11)."""
+    loss). Under 1F1B stage r holds ``min(m, p - r)`` micro-batches at once, the first ``min(m, p)``, the last
+    one (lesson 11): the fullest stage counts."""
     value = VALUE_BYTES[training.precision]
     mask = cluster.mask_bytes or value
     b, s, t = config.micro_batch, model.seq // config.cp, config.tp
@@ -305,20 +309,21 @@ def activation_bytes(model: Model, cluster: Cluster, training: Training, config:
     sbh = b * s * model.hidden
     embedding = mask * sbh / t if model.dropout else 0
     loss = (2 * value * sbh + 8 * b * s + 4 * b * s * model.vocab) / t
-    blocks = stage_layers(model, config.pp) * kept
-    in_flight = min(config.micro_batches, config.pp)
-    if config.pp == 1:
-        stages = {"first": (blocks + embedding + loss, 1)}
-    else:
-        stages = {"first": (blocks + embedding, in_flight), "last": (blocks + loss, 1)}
-    name, (per_micro_batch, count) = max(stages.items(), key=lambda item: item[1][0] * item[1][1])
+    m, p = config.micro_batches, config.pp
+    middle = stage_layers(model, p)
+    end = middle - (model.layers % p != 0)  # Llama 3's end stages hold one block fewer (``pipeline_divides``)
+    if p == 1:
+        stages = [(middle, embedding + loss, 1)]  # (blocks, around them, micro-batches held at once)
+    else:  # stage r holds min(m, p - r): the first, the fullest middle one (r = 1) and the last are the candidates
+        stages = [(end, embedding, min(m, p)), (end, loss, 1)] + ([(middle, 0, min(m, p - 1))] if p > 2 else [])
+    blocks, around, count = max(stages, key=lambda stage: (stage[0] * kept + stage[1]) * stage[2])
     buffer = whole if config.recompute == "full" else 0
     return {
-        "blocks": blocks * count,
-        "embedding and loss": (per_micro_batch - blocks) * count,
+        "blocks": blocks * kept * count,
+        "embedding and loss": around * count,
         "in flight": count,
         "recompute buffer": buffer,
-        "total": per_micro_batch * count + buffer,
+        "total": (blocks * kept + around) * count + buffer,
     }
 
 

@@ -21,6 +21,7 @@ from common.planner import (
     Model,
     Training,
     activation_bytes,
+    device_parameters,
     enumerate_configs,
     link,
     pipeline_divides,
@@ -79,6 +80,11 @@ def test_a_pipeline_stage_holds_whole_blocks_llama_3s_126_layers_on_16_stages_in
     model, cluster = MODELS["llama3-405b"], Cluster("16", 16, 1, 1e12, 1e15, 0, 0, 0, 0)
     stages = {c.pp for c in enumerate_configs(model, cluster, Training(16), ("none",), (0,))}
     assert stages == {1, 2, 4, 8, 16}  # 126 = 2 x 63; 128 = 4 x 32 = 8 x 16 = 16 x 8
+    # Llama 3's layout: 7 blocks on the end stages, 8 in the middle; under 1F1B stage 1 holds 15 micro-batches of
+    # 8 blocks, more than stage 0's 16 of 7: the fullest stage is a middle one, for parameters and activations.
+    config = Config(dp=1, pp=16, micro_batch=1, micro_batches=16)
+    assert device_parameters(model, config) == 8 * model.layer_parameters()
+    assert activation_bytes(model, cluster, Training(16), config)["in flight"] == 15
 
 
 def test_only_the_configurations_under_the_memory_limit_are_ranked():
