@@ -385,7 +385,8 @@ def model_flops_per_token(model: Model) -> float:
 
 def predict_step_time(model: Model, cluster: Cluster, training: Training, config: Config) -> dict:
     """Seconds of one optimizer step, by part, and what they give: ``{"compute", "tensor parallel", "context
-    parallel", "pipeline p2p", "bubble", "data parallel", "total", "tokens per second", "mfu"}``.
+    parallel", "pipeline p2p", "bubble", "data parallel", "total", "tokens per second", "mfu"}``; the six parts
+    add up to the total.
 
     - compute: ``model_flops_per_token`` (``6 N``, plus the attention's scores), plus recomputation's extra
       forward (``full``: 2 N and the attention again; ``selective``: the attention core's ``4 s h`` per token and
@@ -443,7 +444,7 @@ def predict_step_time(model: Model, cluster: Cluster, training: Training, config
         "compute": compute,
         "tensor parallel": tensor * m,
         "context parallel": context * m,
-        "pipeline p2p": p2p * (m + p - 1),
+        "pipeline p2p": p2p * m,  # the other p - 1 slots' messages are in the bubble
         "bubble": bubble,
         "data parallel": data,
         "total": total,

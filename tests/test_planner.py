@@ -142,8 +142,18 @@ def test_the_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1_of_the_step():
         config = Config(dp=1, pp=8, micro_batch=1, micro_batches=micro_batches)
         time = predict_step_time(WIDE, free_links, Training(micro_batches), config)
         assert time["bubble"] / time["total"] == pytest.approx(7 / (micro_batches + 7))
+        parts = ("compute", "tensor parallel", "context parallel", "pipeline p2p", "bubble", "data parallel")
+        assert sum(time[part] for part in parts) == pytest.approx(time["total"])
         memory = activation_bytes(WIDE, free_links, Training(micro_batches), config)
         assert memory["in flight"] == min(micro_batches, 8)  # 1F1B's first stage (lesson 11)
+
+
+def test_on_real_links_the_step_is_the_sum_of_its_parts():
+    training = Training(16)
+    for config in enumerate_configs(WIDE, two_nodes(1e-9), training, ("none", "full"), (2, 3))[::7]:
+        time = predict_step_time(WIDE, two_nodes(1e-9), training, config)
+        parts = ("compute", "tensor parallel", "context parallel", "pipeline p2p", "bubble", "data parallel")
+        assert sum(time[part] for part in parts) == pytest.approx(time["total"]), config.describe()
 
 
 def test_a_mesh_that_does_not_cover_the_devices_fails_at_once_saying_so():
