@@ -1,21 +1,23 @@
 """Submit a SLURM batch file to a real SLURM cluster emulated on one machine, wait for it, print its output.
 
     # lesson 07's launch file on 2 nodes of 1 process each, joined at 1 Gbit/s (root; slurm-wlm and munge installed)
-    .venv/bin/python scripts/slurm_cluster.py --nodes 2 -- --export=ALL,NPROC_PER_NODE=1 \
-        launch/slurm_multi_node.sbatch solutions/01_ddp_basic.py --dataset digits
+    .venv/bin/python scripts/slurm_cluster.py --nodes 2 -- --gpus-per-node=0 --cpus-per-task=1 \
+        --export=ALL,NPROC_PER_NODE=1 launch/slurm_multi_node.sbatch solutions/01_ddp_basic.py --dataset digits
 
 Everything after ``--`` goes to ``sbatch --wait`` as it is: options, the batch file, the batch file's arguments.
 The nodes are ``scripts/cluster.py``'s network namespaces (``common/cluster.py``). Inside each one this command
 starts a ``slurmd``, in a UTS namespace of its own (its host name is ``node<k>``, which is how ``slurmd`` finds its
 node name) and a mount namespace of its own (a generated hosts file is bind-mounted on ``/etc/hosts``, so that
 every node resolves every other's name; the machine's own file is never touched). Node 0 also runs the
-``slurmctld``. One ``munged`` signs the daemons' messages. ``slurm.conf``, ``cgroup.conf``, the munge key, the
-daemons' state, logs and sockets all live in one temporary folder.
+``slurmctld`` and the one ``munged`` that signs the daemons' messages. ``slurm.conf``, ``cgroup.conf``, the munge
+key, the daemons' state, logs and sockets all live in one temporary folder, ``slurm-cluster-<name>``.
 
 On every path (the job passed or failed, a daemon would not start, Ctrl-C, the ``--timeout``) the daemons are
 stopped by their process ids, whatever the job left running dies with its node's namespace, and the folder and
-the namespaces are removed. The exit status is the job's (``sbatch --wait``'s), 2 when the cluster could not be
-built, 124 past the timeout and 130 on Ctrl-C. It installs nothing: ``make test-cluster`` installs the packages.
+the namespaces are removed. A run killed by SIGKILL, which no handler sees, leaves them to the next run of the
+same ``--name``, which removes them first (every daemon, munged included, runs inside a node). The exit status is
+the job's (``sbatch --wait``'s), 2 when the cluster could not be built, 124 past the timeout and 130 on Ctrl-C.
+It installs nothing: ``make test-cluster`` installs the packages.
 """
 
 import argparse
@@ -223,49 +225,49 @@ def check() -> None:
 
 def run(args, sbatch: list[str]) -> int:
     check()
-    folder = Path(tempfile.mkdtemp(prefix="slurm-cluster-"))
     daemons = []
-    try:
-        folder.chmod(0o700)  # munged refuses a key that others could reach
-        conf = write_configuration(folder, args)
-        env = {**os.environ, "SLURM_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nodes)))  # as scripts/cluster.py
-        munged = [
-            "munged", "--foreground", "--force", f"--key-file={folder}/munge.key", f"--socket={folder}/{MUNGE}",
-            f"--pid-file={folder}/munged.pid", f"--seed-file={folder}/munge.seed", f"--log-file={folder}/munged.log",
-        ]  # fmt: skip
-        daemons.append(("munged", start(munged, folder / "munged.out", env), folder / "munged.log"))
-        wait_until(lambda: (folder / MUNGE).exists(), 20, "munged's socket", daemons)
-        with EmulatedCluster(args.nodes, args.link, args.name) as cluster:
-            try:
-                controller = on_node(cluster, folder, 0, ["slurmctld", "-D", "-f", str(conf)])
-                daemons.append(
-                    ("slurmctld", start(controller, folder / "slurmctld.out", env), folder / "slurmctld.log")
-                )
-                for node in range(args.nodes):
-                    log = folder / f"slurmd-{node_name(node)}.log"
-                    slurmd = on_node(cluster, folder, node, ["slurmd", "-D", "-f", str(conf)])
-                    daemons.append(
-                        (f"slurmd on {node_name(node)}", start(slurmd, folder / f"{log.stem}.out", env), log)
-                    )
-
-                def idle() -> bool:
-                    sinfo = on_node(cluster, folder, 0, ["sinfo", "--noheader", "--Node", "--format=%N %t"])
-                    states = subprocess.run(sinfo, capture_output=True, text=True, env=env, timeout=30).stdout.split()
-                    return states[1::2].count("idle") == args.nodes
-
-                wait_until(idle, 60, f"{args.nodes} idle node(s)", daemons)
-                print(
-                    f"slurm: {args.nodes} idle node(s) ({', '.join(map(node_name, range(args.nodes)))}), links of "
-                    f"{args.link}; munged, slurmctld and {args.nodes} slurmd; configuration in {folder}",
-                    flush=True,
-                )
-                return submit(cluster, folder, env, args, sbatch)
-            finally:
-                stop(daemons)  # before the namespaces go: each daemon by its own id
-    finally:
-        stop(daemons)
+    with EmulatedCluster(args.nodes, args.link, args.name) as cluster:
+        # The cluster holds its name's lock: a folder of that name is left from a run that was killed, and goes.
+        folder = Path(tempfile.gettempdir()) / f"slurm-cluster-{args.name}"
         shutil.rmtree(folder, ignore_errors=True)
+        try:
+            folder.mkdir(mode=0o700)  # munged refuses a key that others could reach
+            conf = write_configuration(folder, args)
+            env = {**os.environ, "SLURM_CONF": str(conf), "PYTHONUNBUFFERED": "1"}
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nodes)))  # as cluster.py
+            munged = [
+                "munged", "--foreground", "--force", f"--key-file={folder}/munge.key", f"--socket={folder}/{MUNGE}",
+                f"--pid-file={folder}/munged.pid", f"--seed-file={folder}/munge.seed",
+                f"--log-file={folder}/munged.log",
+            ]  # fmt: skip
+            # Every daemon runs inside a node, munged too (its socket is a file, which every node reaches): after a
+            # SIGKILL, which no handler sees, the next run removes the namespaces, the daemons in them and the folder.
+            daemons.append(
+                ("munged", start(cluster.on_node(0, munged), folder / "munged.out", env), folder / "munged.log")
+            )
+            wait_until(lambda: (folder / MUNGE).exists(), 20, "munged's socket", daemons)
+            controller = on_node(cluster, folder, 0, ["slurmctld", "-D", "-f", str(conf)])
+            daemons.append(("slurmctld", start(controller, folder / "slurmctld.out", env), folder / "slurmctld.log"))
+            for node in range(args.nodes):
+                log = folder / f"slurmd-{node_name(node)}.log"
+                slurmd = on_node(cluster, folder, node, ["slurmd", "-D", "-f", str(conf)])
+                daemons.append((f"slurmd on {node_name(node)}", start(slurmd, folder / f"{log.stem}.out", env), log))
+
+            def idle() -> bool:
+                sinfo = on_node(cluster, folder, 0, ["sinfo", "--noheader", "--Node", "--format=%N %t"])
+                states = subprocess.run(sinfo, capture_output=True, text=True, env=env, timeout=30).stdout.split()
+                return states[1::2].count("idle") == args.nodes
+
+            wait_until(idle, 60, f"{args.nodes} idle node(s)", daemons)
+            print(
+                f"slurm: {args.nodes} idle node(s) ({', '.join(map(node_name, range(args.nodes)))}), links of "
+                f"{args.link}; munged, slurmctld and {args.nodes} slurmd; configuration in {folder}",
+                flush=True,
+            )
+            return submit(cluster, folder, env, args, sbatch)
+        finally:
+            stop(daemons)  # each daemon by its own id, before the namespaces go
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def parse_args(argv=None):
