@@ -158,7 +158,11 @@ def resume_through_a_fresh_ddp_wrapper(env, batch_size: int = 2) -> dict:
     for world_size, group in ((4, None), (2, ranks_0_and_1)):
         if env.rank >= world_size:
             continue
-        for name, ddp_kwargs in (("default", {}), ("find_unused_parameters=True", {"find_unused_parameters": True})):
+        for name, ddp_kwargs in (
+            ("default", {}),
+            ("find_unused_parameters=True", {"find_unused_parameters": True}),
+            ("one bucket per parameter", {"bucket_cap_mb_list": [0]}),  # solutions/05_multi_node.py's setting
+        ):
             set_seed(0)
             net = DDP(LeNet(), process_group=group, **ddp_kwargs)
             optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -223,6 +227,14 @@ def test_with_find_unused_parameters_a_resumed_step_equals_the_uninterrupted_one
     for world_size in (4, 2):
         case = resumed_steps[f"{world_size} ranks, find_unused_parameters=True"]
         assert case["layouts"][0] == case["layouts"][1]  # the initial buckets, never rebuilt
+        assert all(torch.equal(x, y) for x, y in zip(case["uninterrupted"], case["resumed"])), world_size
+
+
+def test_with_one_bucket_per_parameter_a_resumed_step_equals_the_uninterrupted_one(resumed_steps):
+    for world_size in (4, 2):
+        case = resumed_steps[f"{world_size} ranks, one bucket per parameter"]
+        assert case["layouts"][0] != case["layouts"][1]  # rebuilt in another order, as by default...
+        assert all(len(bucket) == 1 for layout in case["layouts"] for bucket in layout)  # ...each bucket one tensor
         assert all(torch.equal(x, y) for x, y in zip(case["uninterrupted"], case["resumed"])), world_size
 
 

@@ -105,7 +105,15 @@ NOT_RUN = {
     "solutions/07_ring_allreduce.py --algorithms dist.all_reduce --sizes 16M 256M 1G":
         "a cluster: one process on each of two nodes, NODE0 is a placeholder. Its local rehearsal runs here",
     "sbatch launch/slurm_multi_node.sbatch":
-        "a SLURM cluster; tests/test_multi_node.py checks the script's syntax and its torchrun line",
+        "a SLURM cluster of 4-GPU nodes; tests/test_slurm_cluster.py runs the same file on CPU nodes under a real "
+        "SLURM (make test-cluster)",
+    "python scripts/slurm_cluster.py --nodes 2 -- --gpus-per-node=0 --cpus-per-task=1 "
+    "--export=ALL,NPROC_PER_NODE=1,MAX_RESTARTS=1 launch/slurm_multi_node.sbatch solutions/05_multi_node.py "
+    "--dataset digits --epochs 2 --batch-size 32 --checkpoint-every 4 --checkpoint-dir checkpoints/slurm "
+    "--fail-at-step 14":
+        "root and SLURM's daemons: tests/test_slurm_cluster.py runs the same drill under make test-cluster, "
+        "in folders of its own",
+    "make test-cluster": "root, apt-get and SLURM's daemons: CI runs it after make test-slow (.ci/run)",
     "kubectl apply -f launch/pytorchjob_multi_node.yaml":
         "a Kubernetes cluster with the Kubeflow training operator; tests/test_multi_node.py checks the YAML",
     "torchrun --standalone --nproc_per_node=2 benchmarks/grad_accumulation.py --steps 5 --rounds 5":
