@@ -4,6 +4,7 @@ Atomic means a reader sees either the old file or the new one, never half of one
 temporary file in the same folder, and ``os.replace`` then swaps it in with one rename.
 """
 
+import inspect
 import os
 import tempfile
 from pathlib import Path
@@ -11,8 +12,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.distributed import is_main
+
+
+def fixed_buckets() -> dict:
+    """``DistributedDataParallel`` arguments under which a resumed run sums its gradients as the uninterrupted one.
+
+    DDP rebuilds its gradient buckets after the first step, in the order gradients arrived. A resumed run's fresh
+    wrapper takes its first step with the initial buckets, so a gradient sits at another offset in its bucket, and
+    gloo's order of addition over 3 or more ranks depends on that offset (1 ulp in a few parameters). With
+    ``bucket_cap_mb_list=[0]`` every bucket closes after its first tensor, before and after the rebuild: one
+    parameter per bucket, one all-reduce per tensor. PyTorch releases whose DDP lacks ``bucket_cap_mb_list`` (it is
+    recent) get ``find_unused_parameters=True`` instead, which never rebuilds the buckets but makes DDP search the
+    graph and warn on every run."""
+    if "bucket_cap_mb_list" in inspect.signature(DDP.__init__).parameters:
+        return {"bucket_cap_mb_list": [0]}
+    return {"find_unused_parameters": True}
 
 
 def unwrap(model: nn.Module) -> nn.Module:

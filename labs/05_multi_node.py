@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import unwrap
+from common.checkpoint import fixed_buckets, unwrap
 from common.distributed import is_main, print0, process_group, rank_map, set_seed
 from common.fault_tolerance import (
     fault_tolerance_arguments,
@@ -76,11 +76,11 @@ def train(args, env):
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)
     set_seed(args.seed)
-    # One gradient bucket per parameter: DDP rebuilds its buckets after step 1, and a bucket of one tensor is laid out
-    # the same before and after. With shared buckets a resumed run's first step would sum in another order (4 ranks:
-    # 1 ulp off; tests/test_checkpoint.py). It costs one all-reduce per tensor, 8 for LeNet.
+    # One gradient bucket per parameter (bucket_cap_mb_list=[0]): DDP rebuilds its buckets after step 1, and a bucket
+    # of one tensor is laid out the same before and after. With shared buckets a resumed run's first step would sum in
+    # another order (4 ranks: 1 ulp off; tests/test_checkpoint.py). It costs one all-reduce per tensor, 8 for LeNet.
     model = model_class(num_classes=data.num_classes).to(env.device)
-    net = DDP(model, device_ids=env.device_ids, bucket_cap_mb_list=[0])
+    net = DDP(model, device_ids=env.device_ids, **fixed_buckets())
     set_seed(args.seed, env.rank)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     # Stepped once per epoch, not per batch: a step_size in batches would be the batches per epoch of one world

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import checkpoint
-from common.checkpoint import atomic_write, load_checkpoint, save_checkpoint, unwrap
+from common.checkpoint import atomic_write, fixed_buckets, load_checkpoint, save_checkpoint, unwrap
 from common.distributed import set_seed
 from common.launch import run_on_ranks
 from common.models import LeNet
@@ -161,7 +161,7 @@ def resume_through_a_fresh_ddp_wrapper(env, batch_size: int = 2) -> dict:
         for name, ddp_kwargs in (
             ("default", {}),
             ("find_unused_parameters=True", {"find_unused_parameters": True}),
-            ("one bucket per parameter", {"bucket_cap_mb_list": [0]}),  # solutions/05_multi_node.py's setting
+            ("one bucket per parameter", fixed_buckets()),  # solutions/05_multi_node.py's setting
         ):
             set_seed(0)
             net = DDP(LeNet(), process_group=group, **ddp_kwargs)
