@@ -227,7 +227,7 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, X, output_splits, input_splits, group=None):
-        # BEGIN LAB: forward: rows to every rank, uneven splits; keep the splits and the group for backward
+        # BEGIN LAB: forward: uneven rows to every rank; keep the splits and the group
         # dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
         ctx.splits, ctx.group = (output_splits, input_splits), group
         out = X.new_empty((sum(output_splits), *X.shape[1:]))
@@ -237,7 +237,8 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        # BEGIN LAB: backward: the reverse all-to-all, each row's gradient back to the rank that sent the row
+        # BEGIN LAB: backward: the reverse all-to-all, each gradient row home
+        # each row's gradient goes back to the rank that sent the row: the splits swap places
         output_splits, input_splits = ctx.splits
         grad = grad_output.new_empty((sum(input_splits), *grad_output.shape[1:]))
         dist.all_to_all_single(grad, grad_output.contiguous(), input_splits, output_splits, group=ctx.group)
@@ -292,7 +293,7 @@ class ExpertParallelMoE(nn.Module):
         self.routing = route(self.router(tokens), self.top_k, self.capacity_factor, self.renormalize)
         self.aux_loss = load_balancing_loss(self.routing)
         order, token, counts = sort_by_expert(self.routing, self.num_experts)
-        # BEGIN LAB: dispatch: the counts, the tokens out, grouped by local expert, the results back
+        # BEGIN LAB: dispatch: the counts, the tokens out, by local expert, results back
         # exchange_counts, all_to_all twice (the second with the splits swapped), expert_major_order and its inverse
         received = exchange_counts(counts, self.world_size, self.group)  # (W, E/W)
         send_splits = counts.view(self.world_size, -1).sum(1).tolist()  # rows to each rank
@@ -325,15 +326,22 @@ def average_gradients(model: nn.Module, world_size: int, replica_group=None) -> 
     becomes that of the mean of the ranks' losses. Parameters every rank holds: summed over all ranks. An
     expert's: its all-to-alls already brought it the gradient of every rank of its expert-parallel group, so
     it is summed over ``replica_group`` only, the ranks that hold a copy of the same experts (None: no copies).
-    Then both are divided by ``world_size``. (gloo has no average: sum, then divide.)"""
-    for name, parameter in model.named_parameters():
-        if parameter.grad is None:
+    Then both are divided by ``world_size`` (gloo has no average: sum, then divide). Each kind travels as one
+    flat tensor, one all-reduce: many small ones would cost a latency each."""
+    for parameter in model.parameters():
+        if parameter.grad is None:  # an expert that no token reached in this step, in a model without others
             parameter.grad = torch.zeros_like(parameter)
-        if not is_expert_parameter(name):
-            dist.all_reduce(parameter.grad)
-        elif replica_group is not None:
-            dist.all_reduce(parameter.grad, group=replica_group)
-        parameter.grad /= world_size
+    named = list(model.named_parameters())
+    for experts, group in ((False, None), (True, replica_group)):
+        grads = [p.grad for name, p in named if is_expert_parameter(name) == experts]
+        if not grads:
+            continue
+        flat = torch.cat([grad.flatten() for grad in grads])
+        if not experts or group is not None:
+            dist.all_reduce(flat, group=group)
+        flat /= world_size
+        for grad, part in zip(grads, flat.split([grad.numel() for grad in grads])):
+            grad.copy_(part.view_as(grad))
 
 
 def all_to_all_bytes(sent: int, received: int, d_model: int, element_size: int, num_experts: int) -> int:

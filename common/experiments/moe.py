@@ -47,10 +47,13 @@ def empty_expert_moe(d_model: int, num_experts: int, top_k: int, seed: int = 0) 
     return moe
 
 
-def expert_parallel_checks(env, num_experts: int = 4, top_k: int = 2, d_model: int = 8) -> dict:
+def expert_parallel_checks(
+    env, num_experts: int = 4, top_k: int = 2, d_model: int = 8, layer=ExpertParallelMoE, move=all_to_all
+) -> dict:
     """On every rank: the expert-parallel layer against the whole one on all the ranks' tokens (outputs, input
     gradients, every expert's gradient, the router's once summed), the all-to-alls' bytes against
-    ``all_to_all_bytes``, the all-to-all's round trip, and ``AllToAll`` against torch's version, gradient included."""
+    ``all_to_all_bytes``, the all-to-all's round trip, and ``AllToAll`` against torch's version, gradient included.
+    ``layer`` and ``move``: the layer class and the all-to-all function to check (a lab's)."""
     world, rank = env.world_size, env.rank
     all_tokens = [tokens_of_rank(r, d_model) for r in range(world)]
     weights = [torch.linspace(-1, 1, X.numel(), dtype=torch.float64).view(X.shape) * (r + 1) for r, X in
@@ -61,7 +64,7 @@ def expert_parallel_checks(env, num_experts: int = 4, top_k: int = 2, d_model: i
     (out_whole * torch.cat(weights)).sum().backward()
     counts_whole = whole.routing.counts(num_experts)
 
-    split = ExpertParallelMoE(empty_expert_moe(d_model, num_experts, top_k), rank, world)
+    split = layer(empty_expert_moe(d_model, num_experts, top_k), rank, world)
     X = all_tokens[rank].clone().requires_grad_()
     with count_collectives() as log:
         out = split(X)
@@ -90,10 +93,10 @@ def expert_parallel_checks(env, num_experts: int = 4, top_k: int = 2, d_model: i
         "sent": sent,
         "received": received,
     }
-    return result | round_trip(env)
+    return result | round_trip(env, move)
 
 
-def round_trip(env) -> dict:
+def round_trip(env, move=all_to_all) -> dict:
     """Uneven rows out and back (rank r sends ``r + j + 1`` rows to rank j, none to itself on rank 0): the second
     all-to-all, splits swapped, gives back what the first took. ``AllToAll`` against
     ``torch.distributed.nn.functional.all_to_all_single``: the same rows and the same gradient."""
@@ -104,8 +107,8 @@ def round_trip(env) -> dict:
     receive = [0 if rank == j == 0 else j + rank + 1 for j in range(world)]  # what rank j sends to this one
     rows = torch.randn(sum(send), 3, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
     mine = rows.clone().requires_grad_()
-    arrived = all_to_all(mine, receive, send)
-    back = all_to_all(arrived, send, receive)
+    arrived = move(mine, receive, send)
+    back = move(arrived, send, receive)
     theirs = rows.clone().requires_grad_()
     out = torch.empty(sum(receive), 3, dtype=torch.float64)
     with warnings.catch_warnings():  # 2.14 points to torch.distributed._functional_collectives instead
