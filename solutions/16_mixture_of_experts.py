@@ -125,7 +125,7 @@ def train(args, env):
     for epoch in range(args.epochs):
         train_iter.sampler.set_epoch(epoch)
         model.train()
-        loss_sum, steps, counts, dropped = 0.0, 0, torch.zeros(args.experts, dtype=torch.long), 0
+        loss_sum, steps, counts, dropped, off_rank = 0.0, 0, torch.zeros(args.experts, dtype=torch.long), 0, 0
         started = time.perf_counter()
         with count_collectives() as log:
             for tokens, targets in train_iter:
@@ -138,6 +138,7 @@ def train(args, env):
                 first = moe_layers(model)[0].routing
                 counts += first.counts(args.experts).cpu()
                 dropped += sum(layer.routing.dropped for layer in moe_layers(model))
+                off_rank += rows_off_rank(model, ep_rank) * args.d_model * 4  # fp32 rows
                 loss_sum, steps = loss_sum + loss.item(), steps + 1
         seconds = time.perf_counter() - started
         row = {"epoch": epoch + 1, "train loss": summed(loss_sum / steps, env) / env.world_size}
@@ -147,13 +148,14 @@ def train(args, env):
         row |= {"tokens per expert": (counts / counts.sum()).tolist(), "dropped": summed(dropped, env) / assignments}
         row |= {name: 1000 * in_collective(log, name) / steps for name in ("all_to_all_single", "all_reduce")}
         row["step ms"], row["in sync"] = 1000 * seconds / steps, in_sync(model, dp_group)
+        row["MiB off rank"] = off_rank / steps / 2**20
         shares = " ".join(f"{share:.0%}" for share in row["tokens per expert"])
         print0(
             f"epoch {epoch + 1}/{args.epochs}: train loss {row['train loss']:.4f} | validation loss "
             f"{row['validation loss']:.4f}, perplexity {math.exp(row['validation loss']):.2f} | layer 1's experts "
-            f"took {shares} | dropped {row['dropped']:.1%}\n  per step: {row['step ms']:.1f} ms, all-to-alls "
-            f"{row['all_to_all_single']:.1f} ms, gradient all-reduces {row['all_reduce']:.1f} ms (rank 0) | "
-            f"copies the same on every rank: {row['in sync']}"
+            f"took {shares} | dropped {row['dropped']:.1%}\n  rank 0, per step: {row['step ms']:.1f} ms, all-to-alls "
+            f"{row['all_to_all_single']:.1f} ms ({row['MiB off rank']:.2f} MiB to other ranks), gradient "
+            f"all-reduces {row['all_reduce']:.1f} ms | copies the same on every rank: {row['in sync']}"
         )
         history.append(row)
     return history
@@ -179,6 +181,16 @@ def summed(value, env):
 def in_collective(log, name: str) -> float:
     """Seconds this rank spent inside collective ``name`` calls (blocking: waiting for the others included)."""
     return sum(call.returned - call.started for call in log.calls if call.name == name)
+
+
+def rows_off_rank(model, ep_rank: int) -> int:
+    """The rows this rank's all-to-alls sent to other ranks in the last step: the tokens out and the results back
+    in forward, the same counts again in backward (the gradients), summed over the MoE layers."""
+    rows = 0
+    for layer in moe_layers(model):
+        send, receive = layer.splits
+        rows += 2 * (sum(send) - send[ep_rank] + sum(receive) - receive[ep_rank])
+    return rows
 
 
 @torch.no_grad()

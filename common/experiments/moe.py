@@ -217,15 +217,17 @@ def dropped_by_capacity(model, text, factors: list[float], batch: int) -> list[d
     return rows
 
 
-def step_times(config: dict, num_experts: int, top_k: int, batch: int, repeats: int) -> dict:
-    """The median time of one forward and backward of the dense GPT and of the MoE GPT (``top_k`` experts per
-    token, each as wide as the dense MLP: the same active parameters at k = 1), ms, on random tokens."""
+def step_times(config: dict, variants: list[tuple[int, int]], batch: int, repeats: int) -> dict:
+    """The median time of one forward and backward, ms, of the dense GPT and of MoE GPTs with ``(E, k)`` of
+    ``variants`` (each expert as wide as the dense MLP: at k = 1 the same work per token), on random tokens; their
+    parameters, and the parameters one token passes through (active)."""
     tokens, targets = token_batch(config, batch)
     out = {}
-    for name in ("dense", "moe"):
+    for num_experts, top_k in [(0, 0), *variants]:
         torch.manual_seed(0)
         model = GPT(**config)
-        if name == "moe":
+        mlp = sum(p.numel() for p in model.blocks[0].mlp.parameters()) * len(model.blocks)
+        if num_experts:
             moe_gpt(model, num_experts, top_k)
         times = []
         for _ in range(repeats + 2):
@@ -233,8 +235,20 @@ def step_times(config: dict, num_experts: int, top_k: int, batch: int, repeats: 
             next_token_loss(model(tokens), targets).backward()
             times.append(time.perf_counter() - started)
         parameters = sum(p.numel() for p in model.parameters())
-        out[name] = {"ms": 1000 * statistics.median(times[2:]), "parameters": parameters}
+        active = parameters - (num_experts - top_k) * mlp if num_experts else parameters
+        name = f"MoE, E={num_experts}, top-{top_k}" if num_experts else "dense"
+        out[name] = {"ms": 1000 * statistics.median(times[2:]), "parameters": parameters, "active": active}
     return out
+
+
+def plot_dropped(rows_by_run: dict, ax) -> None:
+    """``dropped_by_capacity``'s rows for each run: the share dropped against the capacity factor."""
+    for name, rows in rows_by_run.items():
+        ax.plot([row["capacity factor"] for row in rows], [row["dropped"] for row in rows], "o-", label=name)
+    ax.set_xlabel("capacity factor")
+    ax.set_ylabel("assignments dropped")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
 
 
 def plot_tokens_per_expert(runs: list[dict], axes) -> None:
