@@ -77,7 +77,7 @@ def check_top_k(top_k: int, num_experts: int) -> None:
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """The most assignments one expert takes: ``ceil(capacity_factor * T * k / E)`` (Switch Transformer, eq. 3,
+    """The most assignments one expert takes: ``ceil(capacity_factor * T * k / E)`` (the Switch Transformer's,
     with k assignments per token). A factor of 1 is an even share."""
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
@@ -97,7 +97,7 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float | None = None
     num_experts = logits.shape[-1]
     check_top_k(top_k, num_experts)
     probs = logits.softmax(dim=-1)
-    gates, experts = probs.topk(top_k, dim=-1)  # ties go to the lower index
+    gates, experts = probs.topk(top_k, dim=-1)
     if renormalize:
         gates = gates / gates.sum(dim=-1, keepdim=True)
     if capacity_factor is None:
