@@ -54,6 +54,9 @@ What a lesson builds or shows:
   state), torch's full ``checkpoint`` and its selective version, applied to a model's blocks.
 - ``common.sequence_parallel`` (13): sequence parallelism by hand (all-gather and reduce-scatter as conjugate
   autograd functions, the split GPT), and torch's (``SequenceParallel``, a vocabulary-parallel head, ``loss_parallel``).
+- ``common.moe`` (15): a mixture of experts in place of the MLP (top-k routing, Switch's balancing loss, capacity
+  with dropping) and expert parallelism by hand (the counts exchanged, the uneven all-to-all as an autograd Function
+  whose backward is the reverse exchange, the expert-major permutation), with and without data parallelism.
 - ``common.planner`` (16): which data, tensor, pipeline and context degrees to train with: every mesh the model's
   shapes allow, its memory per device and step time predicted with lessons 06-13's formulas, ranked by the
   Ultra-Scale Playbook's three steps; presets for Llama 3 on H100s (``scripts/plan.py`` prints the tables).
@@ -65,5 +68,6 @@ What the notebooks and benchmarks measure with them (timings, spawned experiment
   called on a bucket built by hand, error feedback's drift), ``pipeline`` (11: timed schedules, gradients against
   ``torch.distributed.pipelining``, the timeline plot), ``tensor_parallel`` (12: the notebook's measurements) and
   ``activations`` (13: a layer's saved bytes against the formula, the recomputation table, sequence parallelism
-  against tensor parallelism, memory per rank).
+  against tensor parallelism, memory per rank) and ``moe`` (15: the expert-parallel layer against the one-process
+  one on every rank, the 2-D mesh, routing over training, dropping against the capacity factor, step times).
 """

@@ -242,6 +242,7 @@ COUNTED_COLLECTIVES = {
     "all_gather_into_tensor": lambda output, input, *args, **kwargs: [output],
     "all_gather": lambda tensor_list, tensor, *args, **kwargs: tensor_list,
     "reduce_scatter": lambda output, input_list, *args, **kwargs: input_list,
+    "all_to_all_single": lambda output, input, *args, **kwargs: [input],  # the rows this rank sends, itself included
 }
 
 

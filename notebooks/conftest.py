@@ -19,6 +19,8 @@ SLOW_NOTEBOOKS = {
     "09_profiling_and_scaling.ipynb",
     "10_gradient_compression.ipynb",
     "12_tensor_parallelism.ipynb",
+    # 26-47 s quick on 2 cores under load 6-8 (2026-11-27): two short trainings, a plot each, a spawn of 2 ranks
+    "15_mixture_of_experts.ipynb",
 }
 
 

@@ -172,6 +172,21 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
             120,
         ),
         Step(
+            "16: the GPT with mixture-of-experts MLPs, the experts split over the GPUs",
+            "solutions",
+            [
+                *torchrun,
+                "solutions/16_mixture_of_experts.py",
+                "--epochs",
+                "1",
+                "--max-batches-per-epoch",
+                "5",
+                "--val-batches",
+                "2",
+            ],
+            120,
+        ),
+        Step(
             "mixed precision",
             "benchmarks",
             [

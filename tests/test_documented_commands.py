@@ -218,6 +218,15 @@ NOT_RUN = {
     "--d-model 512 --heads 8 --layers 8 --context 512 --batch-size 8":
         f"{FOUR_GPUS}; its CPU twins (--parallel sequence, torch-sequence) run here, and "
         "tests/test_sequence_parallel.py checks --regather on 2 and 4 ranks",
+    ".venv/bin/python -m pytest tests/test_moe.py tests/labs/test_16_mixture_of_experts.py":
+        "test files of this suite, which the suite runs itself",
+    "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_16_mixture_of_experts.py":
+        "a starter fails its lab tests until the reader finishes it; "
+        "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
+    "torchrun --standalone --nproc_per_node=8 solutions/16_mixture_of_experts.py --experts 16 --top-k 2 "
+    "--d-model 512 --heads 8 --layers 8 --context 512 --batch-size 8":
+        "written for a machine with 8 GPUs (NCCL); its CPU twins on 2 and 4 processes run here, and "
+        "tests/test_moe.py checks the layer on 2 and 4 ranks",
 }
 # fmt: on
 
@@ -362,6 +371,8 @@ SLOW_COMMANDS = {
     "solutions/11_powersgd.py:8", "solutions/01_ddp_basic.py:4", "solutions/01_ddp_basic.py:5",
     "solutions/12_pipeline.py:2", "solutions/12_pipeline.py:3", "solutions/14_activation_memory.py:2",
     "solutions/14_activation_memory.py:3", "solutions/14_activation_memory.py:4",
+    "solutions/16_mixture_of_experts.py:2", "solutions/16_mixture_of_experts.py:3",
+    "lessons/15_mixture_of_experts.md:3",
 }  # fmt: skip
 
 
