@@ -55,7 +55,7 @@ What a lesson builds or shows:
 - ``common.sequence_parallel`` (13): sequence parallelism by hand (all-gather and reduce-scatter as conjugate
   autograd functions, the split GPT), and torch's (``SequenceParallel``, a vocabulary-parallel head, ``loss_parallel``).
 - ``common.parallelize`` (16): the GPT on a pipeline x data x tensor ``DeviceMesh``, applied by functions in
-  torchtitan's order (the pipeline cut, tensor + sequence parallelism, FSDP2), one step on any mesh, and the whole
+  torchtitan's order (the pipeline cut, tensor + sequence parallelism, FSDP2 or HSDP), one step on any mesh, the whole
   model gathered back, for the proof that it trains the same model as 1-D FSDP.
 - ``common.planner`` (16): which data, tensor, pipeline and context degrees to train with: every mesh the model's
   shapes allow, its memory per device and step time predicted with lessons 06-13's formulas, ranked by the

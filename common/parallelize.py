@@ -3,11 +3,11 @@
 The model code (``common.gpt``) never imports ``torch.distributed``: each kind of parallelism is *applied* to it by
 one function here, in the order torchtitan's ``pipeline_llama`` and ``parallelize_llama`` apply theirs:
 
-    mesh = make_mesh(device_type, pp=2, dp=2, tp=2, world_size=8)    # dims ("pp", "dp", "tp"), tp innermost
+    mesh = make_mesh(device_type, pp=2, dp=2, tp=2, world_size=8)    # dims pp, dp_replicate, dp_shard, tp
     stage, first_block = pipeline_split(gpt, stage_index, pp)        # 1. this stage's blocks (lesson 11)
     apply_tensor_parallel(stage, mesh["tp"])                         # 2. TP + SP + a vocabulary-parallel head (12-13)
                                                                      #    (context parallelism would come here, 14)
-    apply_fsdp(stage, mesh["dp"])                                    # 3. FSDP2 over the data ranks (06)
+    apply_fsdp(stage, data_mesh(mesh))                               # 3. FSDP2 (or HSDP) over the data ranks (06)
     optimizer = torch.optim.AdamW(stage.parameters())                # after all of them: it sees the final shards
 
 ``parallelize`` does the three in that order. Why this order: the pipeline cut comes first because each stage is a
@@ -47,18 +47,25 @@ from common.gpt import GPT, next_token_loss
 from common.pipeline import stage_bounds
 from common.sequence_parallel import parallelize_gpt
 
-MESH_DIMS = ("pp", "dp", "tp")  # outermost to innermost: the pipeline's messages cross the slowest links
+# Outermost to innermost: the pipeline's messages cross the slowest links, tensor parallelism's the fastest. The data
+# ranks are replicas (dp_replicate: each holds a whole copy of the shards, gradients all-reduced between them) of
+# FSDP groups (dp_shard): HSDP, when there are several replicas.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
-def check_degrees(pp: int, dp: int, tp: int, world_size: int, **shapes) -> None:
+def check_degrees(pp: int, dp: int, tp: int, world_size: int, replicas: int = 1, **shapes) -> None:
     """A ``ConfigurationError`` that says why, before any collective, when the degrees do not fit: their product
-    must be the world size, and ``shapes`` (any of ``num_layers``, ``num_heads``, ``d_model``, ``context``,
-    ``vocab_size``, ``batch_size`` (the global batch), ``microbatches``) must divide by them."""
+    must be the world size, ``replicas`` must divide ``dp``, and ``shapes`` (any of ``num_layers``,
+    ``num_heads``, ``d_model``, ``context``, ``vocab_size``, ``batch_size`` (the global batch), ``microbatches``)
+    must divide by them."""
     if pp * dp * tp != world_size:
         raise ConfigurationError(
             f"error: the mesh --pp {pp} x --dp {dp} x --tp {tp} needs {pp * dp * tp} processes, but "
             f"{world_size} were started: choose degrees whose product is {world_size}"
         )
+    if dp % replicas:
+        raise ConfigurationError(f"error: --replicas {replicas} does not divide --dp {dp}: HSDP's replicas are "
+                                 f"groups of dp / replicas FSDP ranks")  # fmt: skip
     rules = [
         ("num_layers", pp, "every pipeline stage needs a block: --layers at least --pp", lambda n, k: n >= k),
         ("num_heads", tp, "each tensor-parallel rank takes whole heads: --heads divisible by --tp", None),
@@ -78,11 +85,27 @@ def check_degrees(pp: int, dp: int, tp: int, world_size: int, **shapes) -> None:
             )
 
 
-def make_mesh(device_type: str, pp: int, dp: int, tp: int, world_size: int) -> DeviceMesh:
-    """The 3-D ``DeviceMesh`` ("pp", "dp", "tp") of ``pp`` x ``dp`` x ``tp`` ranks (a degree of 1 is a dim of
-    size 1). Rank r sits at ``(r // (dp tp), r // tp % dp, r % tp)``: tensor-parallel ranks are neighbours."""
-    check_degrees(pp, dp, tp, world_size)
-    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
+def make_mesh(device_type: str, pp: int, dp: int, tp: int, world_size: int, replicas: int = 1) -> DeviceMesh:
+    """The 4-D ``DeviceMesh`` ``MESH_DIMS`` of ``pp`` x ``replicas`` x ``dp / replicas`` x ``tp`` ranks (a degree
+    of 1 is a dim of size 1): rank r's coordinates count in that order, the tensor-parallel ranks neighbours."""
+    check_degrees(pp, dp, tp, world_size, replicas)
+    return init_device_mesh(device_type, (pp, replicas, dp // replicas, tp), mesh_dim_names=MESH_DIMS)
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data ranks' mesh, for FSDP: 1-D ("dp_shard") with one replica, else 2-D ("dp_replicate", "dp_shard"),
+    on which ``fully_shard`` is HSDP."""
+    return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+
+
+def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's index among the data ranks, and their number: which share of the global batch it trains on."""
+    replica, shard, shards = (
+        mesh["dp_replicate"].get_local_rank(),
+        mesh["dp_shard"].get_local_rank(),
+        mesh["dp_shard"].size(),
+    )
+    return replica * shards + shard, mesh["dp_replicate"].size() * shards
 
 
 def pipeline_split(gpt: GPT, stage: int, num_stages: int) -> tuple[GPT, int]:
@@ -110,8 +133,9 @@ def apply_tensor_parallel(gpt: GPT, tp_mesh: DeviceMesh) -> GPT:
 
 
 def apply_fsdp(gpt: GPT, dp_mesh: DeviceMesh) -> GPT:
-    """FSDP2 over the 1-D ``dp_mesh``: ``fully_shard`` on every block, then on the root (embeddings, norm, head),
-    as lesson 06 does. A 2-D mesh ("replicate", "shard") here would give HSDP. Returns ``gpt``."""
+    """FSDP2 over ``dp_mesh`` (``data_mesh``): ``fully_shard`` on every block, then on the root (embeddings, norm,
+    head), as lesson 06 does. On a 2-D mesh ("dp_replicate", "dp_shard") it is HSDP: shards within each replica,
+    gradients all-reduced across the replicas. Returns ``gpt``."""
     for block in gpt.blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(gpt, mesh=dp_mesh)
@@ -130,7 +154,7 @@ def parallelize(gpt: GPT, mesh: DeviceMesh) -> tuple[GPT, int]:
         gpt, first_block = pipeline_split(gpt, mesh["pp"].get_local_rank(), mesh["pp"].size())
     if mesh["tp"].size() > 1:  # 2. DTensors on the tp dim (context parallelism would follow here)
         apply_tensor_parallel(gpt, mesh["tp"])
-    apply_fsdp(gpt, mesh["dp"])  # 3. last: FSDP shards the parameters it finds, TP's DTensors included
+    apply_fsdp(gpt, data_mesh(mesh))  # 3. last: FSDP shards the parameters it finds, TP's DTensors included
     # END LAB
     return gpt, first_block
 

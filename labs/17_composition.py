@@ -11,8 +11,9 @@ Check your work with
 Every process builds the same GPT (common/gpt.py) from the same seed, then common/parallelize.py applies the mesh
 --pp x --dp x --tp to it, in torchtitan's order: the pipeline cut (this rank's blocks, a GPipe schedule of
 --microbatches), tensor + sequence parallelism (lesson 13's plan, a vocabulary-parallel head), then FSDP2 over the
-data ranks. Each step draws one global batch of --batch-size windows of the text (the same on every rank, from
---seed); data rank d trains on its 1/dp share. It prints the loss of each step, averaged over the whole batch.
+data ranks (--replicas R: HSDP, R replicas of dp / R FSDP ranks each). Each step draws one global batch of
+--batch-size windows of the text (the same on every rank, from --seed); data rank d trains on its 1/dp share. It
+prints the loss of each step, averaged over the whole batch.
 
 The proof (torchtitan's "converging" check): the same command with --dp equal to the world size (or --control) is
 plain 1-D FSDP, the control. Both runs see the same batches in the same order from the same weights, so their
@@ -50,6 +51,7 @@ from common.distributed import BACKENDS, is_main, print0, process_group, set_see
 from common.gpt import GPT
 from common.parallelize import (
     check_degrees,
+    data_rank,
     forward_backward,
     gathered_parameters,
     global_mean_loss,
@@ -58,7 +60,7 @@ from common.parallelize import (
 )
 from common.text import load_text
 # What the functions you write below use:
-from common.parallelize import apply_fsdp, apply_tensor_parallel, pipeline_split
+from common.parallelize import apply_fsdp, apply_tensor_parallel, data_mesh, pipeline_split
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -83,6 +85,7 @@ def parse_args(argv=None):
     parser = argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
     parser.add_argument("--dp", type=positive_int, help="data-parallel (FSDP) ranks (default: what is left)")
+    parser.add_argument("--replicas", type=positive_int, default=1, help="HSDP: --dp as replicas of FSDP groups")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor + sequence parallel ranks")
     parser.add_argument("--control", action="store_true", help="1-D FSDP over every process: the reference run")
     parser.add_argument("--microbatches", type=positive_int, default=2, help="per step and data rank, with --pp")
@@ -121,10 +124,11 @@ def train(args, env):
     pp, dp, tp = degrees(args, env.world_size)
     shapes = dict(num_layers=args.layers, num_heads=args.heads, d_model=args.d_model, context=args.context)
     shapes |= dict(vocab_size=256, batch_size=args.batch_size, microbatches=args.microbatches)
-    check_degrees(pp, dp, tp, env.world_size, **shapes)  # before any text is read or any collective runs
+    replicas = 1 if args.control else args.replicas
+    check_degrees(pp, dp, tp, env.world_size, replicas, **shapes)  # before any text is read or any collective runs
     text = load_text(args.text, args.context)
-    mesh = make_mesh(env.device.type, pp, dp, tp, env.world_size)
-    print0(f"mesh: pp {pp} x dp {dp} x tp {tp} = {env.world_size} processes, dims {mesh.mesh_dim_names}")
+    mesh = make_mesh(env.device.type, pp, dp, tp, env.world_size, replicas)
+    print0(f"mesh: pp {pp} x dp {dp} ({replicas} replica(s)) x tp {tp} = {env.world_size} processes: {mesh}")
 
     set_seed(args.seed)  # the same whole model on every rank, and in the control
     gpt = GPT(text.vocab_size, args.context, args.d_model, args.heads, args.layers, args.dropout)
@@ -134,12 +138,12 @@ def train(args, env):
     schedule = make_schedule(model, mesh, args.microbatches, env.device)
     optimizer = OPTIMIZERS[args.optimizer](model.parameters(), lr=args.lr, foreach=False)  # after: the shards
 
-    data_rank, share = mesh["dp"].get_local_rank(), args.batch_size // dp
+    data_index, share = data_rank(mesh)[0], args.batch_size // dp
     order = torch.randperm(len(text.train), generator=torch.Generator().manual_seed(args.seed))
     losses, started = [], time.perf_counter()
     for step in range(args.steps):
         rows = order[(step * args.batch_size) % len(order) :][: args.batch_size]  # the global batch
-        rows = rows[data_rank * share : (data_rank + 1) * share]  # this data rank's share of it
+        rows = rows[data_index * share : (data_index + 1) * share]  # this data rank's share of it
         tokens, targets = (t[rows].to(env.device) for t in text.train.tensors)
         optimizer.zero_grad(set_to_none=True)
         local = forward_backward(model, schedule, mesh, tokens, targets)

@@ -1,7 +1,8 @@
 """The GPT on an N-D mesh (common.parallelize, solutions/17_composition.py) trains the same model as 1-D FSDP.
 
 torchtitan's "converging" check: the control is the solution with --control (FSDP2 over every process), the test
-the same command on a mesh of pipeline x data x tensor ranks. Same text, seed, global batch and batch order; after
+the same command on a mesh of pipeline x data x tensor ranks (the data ranks FSDP, or HSDP: replicas of FSDP
+groups). Same text, seed, global batch and batch order; after
 a few steps the losses per step and the final parameters, gathered whole, must agree:
 
 - in float64 with plain SGD, to 1e-12 (rounding alone; measured: 2e-15). SGD, because AdamW divides by the
@@ -13,9 +14,9 @@ a few steps the losses per step and the final parameters, gathered whole, must a
   measured after 3 steps, 4.8e-7 for the losses and 7.4e-5 for the parameters.
 
 Each ``run_on_ranks`` runs the control and the meshes one after the other in one process group (start-up is most
-of the time on 2 cores). ``make test`` runs one 4-process case, the lab's (tests/labs/test_17_composition.py:
-2 data x 2 tensor ranks and 2 stages x 2 tensor ranks in float64); here every mesh of 4 processes in float64 and in
-float32, and 8 processes (2 x 2 x 2), are slow drills (about 25 s and 35 s each on 2 shared cores).
+of the time on 2 cores). ``make test`` runs one 4-process case, the lab's (tests/labs/test_17_composition.py: 2
+stages x 2 tensor ranks in float64). Here every mesh of 4 processes in float64 and in float32, and 8 processes
+(2 x 2 x 2, and HSDP's 2 x 2 with 2 tensor ranks) are slow drills: 15-45 s each on 2 shared cores.
 """
 
 import pytest
@@ -34,7 +35,9 @@ FLOAT32 = ["--dtype", "float32", "--optimizer", "adamw"]
 FLOAT32_TOLERANCE = {"loss": 1e-5, "parameter": 1e-3}
 FLOAT64_TOLERANCE = {"loss": 1e-12, "parameter": 1e-12}
 MESHES_OF_4 = {"dp2-tp2": ["--dp", "2", "--tp", "2"], "pp2-dp2": ["--pp", "2", "--dp", "2"]}
-MESHES_OF_4 |= {"pp2-tp2": ["--pp", "2", "--tp", "2"]}
+MESHES_OF_4 |= {"pp2-tp2": ["--pp", "2", "--tp", "2"], "hsdp2x2": ["--dp", "4", "--replicas", "2"]}
+MESHES_OF_8 = {"pp2-dp2-tp2": ["--pp", "2", "--dp", "2", "--tp", "2"], "hsdp2x2-tp2": ["--dp", "4", "--replicas", "2"]}
+MESHES_OF_8["hsdp2x2-tp2"] += ["--tp", "2"]
 
 
 def control_and_meshes(env, meshes: list[list[str]], precision: list[str]) -> list[dict]:
@@ -65,10 +68,9 @@ def test_every_mesh_of_4_processes_trains_the_same_model_as_fsdp(precision):
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_two_stages_by_two_data_by_two_tensor_ranks_train_the_same_model_as_fsdp_on_8_processes():
-    mesh = ["--pp", "2", "--dp", "2", "--tp", "2"]
-    (runs, *_) = run_on_ranks(control_and_meshes, 8, [mesh], FLOAT64, timeout=140)
-    assert_converging(runs, ["pp2-dp2-tp2"], FLOAT64_TOLERANCE)
+def test_2x2x2_meshes_and_hsdp_with_tensor_parallelism_train_the_same_model_as_fsdp_on_8_processes():
+    (runs, *_) = run_on_ranks(control_and_meshes, 8, list(MESHES_OF_8.values()), FLOAT64, timeout=140)
+    assert_converging(runs, list(MESHES_OF_8), FLOAT64_TOLERANCE)
 
 
 def test_the_stages_of_a_pipeline_split_chained_compute_the_whole_gpt():
@@ -97,6 +99,7 @@ def env_of(world_size: int) -> DistEnv:
         (["--tp", "3", "--heads", "4"], 3, "num_heads 4 does not fit degree 3"),
         (["--pp", "3", "--layers", "2"], 3, "every pipeline stage needs a block"),
         (["--pp", "2", "--dp", "2", "--batch-size", "8", "--microbatches", "3"], 4, "do not split into 3 micro"),
+        (["--dp", "4", "--replicas", "3"], 4, "--replicas 3 does not divide --dp 4"),
     ],
 )
 def test_a_mesh_that_does_not_fit_fails_at_once_with_a_message_that_says_why(argv, world_size, message):
