@@ -154,7 +154,11 @@ def train(args, env):
 
     parameters = gathered_parameters(model, first_block)  # every rank takes part; rank 0 writes
     if args.save and is_main():
-        record = {"mesh": [pp, dp, tp], "losses": losses, "parameters": parameters}
+        record = {
+            "mesh": {"pp": pp, "dp": dp, "replicas": replicas, "tp": tp},
+            "losses": losses,
+            "parameters": parameters,
+        }
         atomic_write(args.save, lambda file: torch.save(record, file))  # read back with weights_only=True
     return {"losses": losses, "parameters": parameters}
 

@@ -40,10 +40,12 @@ MESHES_OF_8 = {"pp2-dp2-tp2": ["--pp", "2", "--dp", "2", "--tp", "2"], "hsdp2x2-
 MESHES_OF_8["hsdp2x2-tp2"] += ["--tp", "2"]
 
 
-def control_and_meshes(env, meshes: list[list[str]], precision: list[str]) -> list[dict]:
-    """The solution's ``train`` on the control, then on each mesh; rank 0 returns the runs, the others nothing."""
+def control_and_meshes(env, meshes: list[list[str]], precision: list[str], save: str | None = None) -> list[dict]:
+    """The solution's ``train`` on the control (``--save save``, if given), then on each mesh; rank 0 returns the
+    runs, the others nothing."""
     script = load_script(SOLUTION)
-    runs = [script.train(script.parse_args([*mesh, *SMALL, *precision]), env) for mesh in [["--control"], *meshes]]
+    control = ["--control", *(["--save", save] if save else [])]
+    runs = [script.train(script.parse_args([*mesh, *SMALL, *precision]), env) for mesh in [control, *meshes]]
     return runs if env.rank == 0 else []
 
 
@@ -59,11 +61,15 @@ def assert_converging(runs: list[dict], names: list[str], tolerance: dict) -> No
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("precision", ["float64", "float32"])
-def test_every_mesh_of_4_processes_trains_the_same_model_as_fsdp(precision):
-    names = list(MESHES_OF_4)
+def test_every_mesh_of_4_processes_trains_the_same_model_as_fsdp(precision, tmp_path):
+    names, saved = list(MESHES_OF_4), tmp_path / "control.pt"
     options = FLOAT64 if precision == "float64" else FLOAT32
-    (runs, *_) = run_on_ranks(control_and_meshes, 4, [MESHES_OF_4[n] for n in names], options, timeout=180)
+    meshes = [MESHES_OF_4[n] for n in names]
+    (runs, *_) = run_on_ranks(control_and_meshes, 4, meshes, options, str(saved), timeout=180)
     assert_converging(runs, names, FLOAT64_TOLERANCE if precision == "float64" else FLOAT32_TOLERANCE)
+    record = torch.load(saved, weights_only=True)  # --save: what rank 0 wrote is what the run ended with
+    assert record["mesh"] == {"pp": 1, "dp": 4, "replicas": 1, "tp": 1} and record["losses"] == runs[0]["losses"]
+    assert differences(runs[0], record) == {"loss": 0.0, "parameter": 0.0}
 
 
 @pytest.mark.slow
