@@ -10,6 +10,10 @@ dropout on the embeddings, on the attention probabilities and on each block's tw
 bytes (256 tokens, ``common.text``), so it needs no tokenizer. The head is not tied to the token embedding: with
 tensor parallelism each can then be cut its own way.
 
+Pipeline parallelism (``common.parallelize``, lesson 16) keeps, on each stage, a copy with only its blocks: the
+first stage's copy embeds, the last one's normalizes and scores, and the parts a stage lacks are ``None``, so that
+``forward`` passes activations in or out instead (as torchtitan's Llama does).
+
 ``GPT.embed(tokens, start)`` embeds a slice of the sequence that starts at position ``start``: sequence
 parallelism (``common.sequence_parallel``) gives each rank its own slice. ``next_token_loss`` is the mean
 cross-entropy of predicting every next byte; its exponential is the perplexity. ``generate`` samples text.
@@ -58,10 +62,10 @@ class GPT(nn.Module):
         """Logits ``(batch, seq, vocab)``: at position i, the scores of the token that follows token i."""
         if tokens.shape[1] > self.context:
             raise ValueError(f"a sequence of {tokens.shape[1]} tokens is longer than the context of {self.context}")
-        X = self.embed(tokens)
+        X = self.embed(tokens) if self.token is not None else tokens  # a later pipeline stage: activations in
         for block in self.blocks:
             X = block(X)
-        return self.head(self.norm(X))
+        return self.head(self.norm(X)) if self.head is not None else X  # an earlier stage: activations out
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,14 @@ class Step:
         return " ".join([*(f"{key}={value}" for key, value in self.env.items()), shlex.join(self.command)])
 
 
+def composition_mesh(num_gpus: int) -> list[str]:
+    """Solution 17's mesh for ``num_gpus`` GPUs: 2 stages x 2 tensor ranks (data ranks: the rest) where 4 divide
+    the count, 2 tensor ranks where 2 do, else the 1-D FSDP control."""
+    if num_gpus % 4 == 0:
+        return ["--pp", "2", "--tp", "2"]
+    return ["--tp", "2"] if num_gpus % 2 == 0 else ["--control"]
+
+
 def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[Step]:
     """Every step of the check, in order, for a machine with ``num_gpus`` GPUs and ``cpu_cores`` cores."""
     torchrun = ["torchrun", "--standalone", f"--nproc_per_node={num_gpus}"]
@@ -184,6 +192,12 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
                 "--val-batches",
                 "2",
             ],
+            120,
+        ),
+        Step(
+            "17: the GPT on a pipeline x data x tensor mesh of the GPUs (1-D FSDP on an odd count)",
+            "solutions",
+            [*torchrun, "solutions/17_composition.py", *composition_mesh(num_gpus), "--steps", "5"],
             120,
         ),
         Step(

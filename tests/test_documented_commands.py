@@ -227,6 +227,9 @@ NOT_RUN = {
     "--d-model 512 --heads 8 --layers 8 --context 512 --batch-size 8":
         "written for a machine with 8 GPUs (NCCL); its CPU twins on 2 and 4 processes run here, and "
         "tests/test_moe.py checks the layer on 2 and 4 ranks",
+    "torchrun --standalone --nproc_per_node=8 solutions/17_composition.py --pp 2 --dp 2 --tp 2 "
+    "--d-model 512 --heads 8 --layers 8 --context 512 --batch-size 32 --steps 50":
+        "written for a machine with 8 GPUs (NCCL); tests/test_parallelize.py runs the same mesh on 8 CPU processes",
 }
 # fmt: on
 
@@ -373,6 +376,9 @@ SLOW_COMMANDS = {
     "solutions/14_activation_memory.py:3", "solutions/14_activation_memory.py:4",
     "solutions/16_mixture_of_experts.py:2", "solutions/16_mixture_of_experts.py:3",
     "lessons/15_mixture_of_experts.md:3",
+    # 4 and 8 processes, 20-35 s each; the one-process command stays in make test
+    "solutions/17_composition.py:1", "solutions/17_composition.py:2", "solutions/17_composition.py:3",
+    "solutions/17_composition.py:4",
 }  # fmt: skip
 
 

@@ -1,0 +1,149 @@
+"""Lab 17 (lesson 16): the GPT trained on a mesh of pipeline x data x tensor ranks, proved equal to 1-D FSDP.
+
+Every process builds the same GPT (common/gpt.py) from the same seed, then common/parallelize.py applies the mesh
+--pp x --dp x --tp to it, in torchtitan's order: the pipeline cut (this rank's blocks, a GPipe schedule of
+--microbatches), tensor + sequence parallelism (lesson 13's plan, a vocabulary-parallel head), then FSDP2 over the
+data ranks (--replicas R: HSDP, R replicas of dp / R FSDP ranks each). Each step draws one global batch of
+--batch-size windows of the text (the same on every rank, from --seed); data rank d trains on its 1/dp share. It
+prints the loss of each step, averaged over the whole batch.
+
+The proof (torchtitan's "converging" check): the same command with --dp equal to the world size (or --control) is
+plain 1-D FSDP, the control. Both runs see the same batches in the same order from the same weights, so their
+losses per step, and the parameters they end with (--save FILE writes them, gathered whole, from rank 0), must
+agree to rounding. Dropout is off by default: its masks depend on how the work is cut.
+
+    # CPU, 4 processes (gloo): 2 data x 2 tensor ranks, then the 1-D FSDP control on the same 4
+    torchrun --standalone --nproc_per_node=4 solutions/17_composition.py --dp 2 --tp 2
+    torchrun --standalone --nproc_per_node=4 solutions/17_composition.py --control
+
+    # 2 pipeline stages x 2 tensor ranks, 4 micro-batches per step
+    torchrun --standalone --nproc_per_node=4 solutions/17_composition.py --pp 2 --tp 2 --microbatches 4
+
+    # 8 processes: 2 x 2 x 2, in float64 with SGD, where it equals the control to 1e-12
+    torchrun --standalone --nproc_per_node=8 solutions/17_composition.py --pp 2 --dp 2 --tp 2 --dtype float64 \
+        --optimizer sgd --lr 0.5
+
+    # one process: the control alone (a mesh of 1 x 1 x 1), on a smaller GPT
+    python solutions/17_composition.py --layers 2 --d-model 32
+
+    # 8 GPUs (NCCL): a wider GPT, 2 stages x 2 data x 2 tensor ranks
+    torchrun --standalone --nproc_per_node=8 solutions/17_composition.py --pp 2 --dp 2 --tp 2 \
+        --d-model 512 --heads 8 --layers 8 --context 512 --batch-size 32 --steps 50
+
+labs/17_composition.py leaves the order in which the mesh is applied (common.parallelize.parallelize) to you.
+"""
+
+import time
+
+import torch
+
+from common.checkpoint import atomic_write
+from common.cli import argument_parser, positive_float, positive_int
+from common.distributed import BACKENDS, is_main, print0, process_group, set_seed
+from common.gpt import GPT
+from common.parallelize import (
+    check_degrees,
+    data_rank,
+    forward_backward,
+    gathered_parameters,
+    global_mean_loss,
+    make_mesh,
+    make_schedule,
+)
+from common.text import load_text
+
+# BEGIN LAB: the mesh applied to the GPT in torchtitan's order
+from common.parallelize import parallelize  # isort: skip
+
+# END LAB
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# AdamW divides by the gradients' own size: a run whose gradients are all twice too large (summed over the data
+# ranks, not averaged) takes the same steps. Plain SGD takes twice the step: the proof runs both.
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+def parse_args(argv=None):
+    parser = argument_parser(__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
+    parser.add_argument("--dp", type=positive_int, help="data-parallel (FSDP) ranks (default: what is left)")
+    parser.add_argument("--replicas", type=positive_int, default=1, help="HSDP: --dp as replicas of FSDP groups")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor + sequence parallel ranks")
+    parser.add_argument("--control", action="store_true", help="1-D FSDP over every process: the reference run")
+    parser.add_argument("--microbatches", type=positive_int, default=2, help="per step and data rank, with --pp")
+    parser.add_argument("--text", help="a text file to learn (default: PyTorch's torch/nn/modules sources)")
+    parser.add_argument("--context", type=positive_int, default=64, help="tokens (bytes) per sequence")
+    parser.add_argument("--d-model", type=positive_int, default=64)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--dropout", type=float, default=0.0, help="off: its masks depend on the mesh")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="the global batch: sequences per step")
+    parser.add_argument("--steps", type=positive_int, default=10)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="sgd: a gradient's scale shows")
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="of the parameters and the compute")
+    parser.add_argument("--save", help="write the losses and the final parameters, gathered whole, to this file")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=BACKENDS, default="auto")
+    return parser.parse_args(argv)
+
+
+def main(args):
+    with process_group(args.backend) as env:  # torchrun's RANK, WORLD_SIZE...; left on errors too
+        train(args, env)
+
+
+def degrees(args, world_size: int) -> tuple[int, int, int]:
+    """(pp, dp, tp): --control is 1 x world x 1; a missing --dp is what the world leaves after --pp and --tp."""
+    if args.control:
+        return 1, world_size, 1
+    dp = args.dp if args.dp is not None else max(world_size // (args.pp * args.tp), 1)
+    return args.pp, dp, args.tp
+
+
+def train(args, env):
+    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    pp, dp, tp = degrees(args, env.world_size)
+    shapes = dict(num_layers=args.layers, num_heads=args.heads, d_model=args.d_model, context=args.context)
+    shapes |= dict(vocab_size=256, batch_size=args.batch_size, microbatches=args.microbatches)
+    replicas = 1 if args.control else args.replicas
+    check_degrees(pp, dp, tp, env.world_size, replicas, **shapes)  # before any text is read or any collective runs
+    text = load_text(args.text, args.context)
+    mesh = make_mesh(env.device.type, pp, dp, tp, env.world_size, replicas)
+    print0(f"mesh: pp {pp} x dp {dp} ({replicas} replica(s)) x tp {tp} = {env.world_size} processes: {mesh}")
+
+    set_seed(args.seed)  # the same whole model on every rank, and in the control
+    gpt = GPT(text.vocab_size, args.context, args.d_model, args.heads, args.layers, args.dropout)
+    gpt = gpt.to(env.device, DTYPES[args.dtype])
+    print0(f"GPT: {sum(p.numel() for p in gpt.parameters()):,} parameters; text: {text.source}")
+    model, first_block = parallelize(gpt, mesh)
+    schedule = make_schedule(model, mesh, args.microbatches, env.device)
+    optimizer = OPTIMIZERS[args.optimizer](model.parameters(), lr=args.lr, foreach=False)  # after: the shards
+
+    data_index, share = data_rank(mesh)[0], args.batch_size // dp
+    order = torch.randperm(len(text.train), generator=torch.Generator().manual_seed(args.seed))
+    losses, started = [], time.perf_counter()
+    for step in range(args.steps):
+        rows = order[(step * args.batch_size) % len(order) :][: args.batch_size]  # the global batch
+        rows = rows[data_index * share : (data_index + 1) * share]  # this data rank's share of it
+        tokens, targets = (t[rows].to(env.device) for t in text.train.tensors)
+        optimizer.zero_grad(set_to_none=True)
+        local = forward_backward(model, schedule, mesh, tokens, targets)
+        optimizer.step()
+        losses.append(global_mean_loss(local, mesh, env.device))
+        print0(f"step {step + 1}/{args.steps}: loss {losses[-1]:.6f}")
+    print0(f"{args.steps} steps in {time.perf_counter() - started:.1f} s")
+
+    parameters = gathered_parameters(model, first_block)  # every rank takes part; rank 0 writes
+    if args.save and is_main():
+        record = {
+            "mesh": {"pp": pp, "dp": dp, "replicas": replicas, "tp": tp},
+            "losses": losses,
+            "parameters": parameters,
+        }
+        atomic_write(args.save, lambda file: torch.save(record, file))  # read back with weights_only=True
+    return {"losses": losses, "parameters": parameters}
+
+
+if __name__ == "__main__":
+    main(parse_args())
