@@ -202,8 +202,8 @@ def moe_gpt(gpt: nn.Module, num_experts: int, top_k: int = 1, **options) -> nn.M
     dropout (``options`` go to ``MoE``: ``hidden``, ``capacity_factor``, ``renormalize``). Returns ``gpt``."""
     for block in gpt.blocks:
         d_model, hidden = block.mlp.up.in_features, block.mlp.up.out_features
-        options = {"hidden": hidden, "dropout": block.mlp.dropout} | options
-        block.mlp = MoE(d_model, num_experts, top_k, **options)
+        layer_options = {"hidden": hidden, "dropout": block.mlp.dropout} | options  # this block's own
+        block.mlp = MoE(d_model, num_experts, top_k, **layer_options)
     return gpt
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from common.experiments.moe import expert_parallel_checks, mesh_checks
+from common.gpt import GPT
 from common.launch import in_turn, run_on_ranks
 from common.moe import (
     ExpertParallelMoE,
@@ -15,8 +16,10 @@ from common.moe import (
     keep_within_capacity,
     load_balancing_loss,
     moe_by_loop,
+    moe_gpt,
     route,
 )
+from common.tensor_parallel import FeedForward
 
 
 def test_top_k_picks_the_most_probable_experts_and_the_gates_are_their_probabilities_or_sum_to_one():
@@ -77,6 +80,16 @@ def test_the_balancing_loss_is_one_when_balanced_and_its_gradient_reaches_the_ro
     moe.aux_loss.backward()
     assert moe.router.weight.grad.abs().sum() > 0
     assert all(p.grad is None for p in moe.experts.parameters())  # the experts play no part in it
+
+
+def test_moe_gpt_gives_each_block_experts_of_that_blocks_own_width_and_dropout():
+    gpt = GPT(vocab_size=16, context=4, d_model=8, num_heads=2, num_layers=2, dropout=0.0)
+    gpt.blocks[1].mlp = FeedForward(8, hidden=24, dropout=0.25)  # a second block unlike the first
+    moe_gpt(gpt, num_experts=2, capacity_factor=1.0)
+    first, second = (block.mlp for block in gpt.blocks)
+    assert (first.experts[0].up.out_features, first.dropout) == (32, 0.0)
+    assert (second.experts[0].up.out_features, second.dropout) == (24, 0.25)
+    assert first.capacity_factor == second.capacity_factor == 1.0
 
 
 def test_bad_input_fails_at_once_with_a_clear_message():
