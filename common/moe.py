@@ -22,8 +22,8 @@ Two more pieces come from the Switch Transformer (section 2.2):
 results weighted and added back to their tokens (``moe_by_loop`` is the same layer token by token, the reference).
 
 Expert parallelism (GShard, Lepikhin et al. 2020, https://arxiv.org/abs/2006.16668) splits the experts over the
-ranks: rank r of W keeps experts ``r E/W`` to ``(r + 1) E/W``, and every rank keeps its own tokens and a copy of
-the router. ``ExpertParallelMoE`` sends every token to the rank of its expert and the results back:
+ranks: rank r of W keeps experts ``r E/W`` up to, not including, ``(r + 1) E/W``, and every rank keeps its own
+tokens and a copy of the router. ``ExpertParallelMoE`` sends every token to the rank of its expert and the results back:
 
 1. route this rank's tokens and sort the assignments by expert, so that they are grouped by destination rank;
 2. ``exchange_counts``: one small all-to-all tells every rank how many tokens it will receive, from each rank, for
@@ -202,8 +202,8 @@ def moe_gpt(gpt: nn.Module, num_experts: int, top_k: int = 1, **options) -> nn.M
     dropout (``options`` go to ``MoE``: ``hidden``, ``capacity_factor``, ``renormalize``). Returns ``gpt``."""
     for block in gpt.blocks:
         d_model, hidden = block.mlp.up.in_features, block.mlp.up.out_features
-        options = {"hidden": hidden, "dropout": block.mlp.dropout} | options
-        block.mlp = MoE(d_model, num_experts, top_k, **options)
+        layer_options = {"hidden": hidden, "dropout": block.mlp.dropout} | options  # this block's own
+        block.mlp = MoE(d_model, num_experts, top_k, **layer_options)
     return gpt
 
 
@@ -213,7 +213,8 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def balance_loss(model: nn.Module) -> torch.Tensor:
-    """The mean of ``aux_loss`` over the model's MoE layers, from their last forward."""
+    """The mean of ``aux_loss`` over the model's MoE layers, from their last forward. A weight on it is a weight on
+    the mean: with L layers, weight / L per layer (Switch adds its weight times each layer's loss)."""
     return torch.stack([layer.aux_loss for layer in moe_layers(model)]).mean()
 
 
@@ -252,8 +253,9 @@ def all_to_all(X: torch.Tensor, output_splits: list[int], input_splits: list[int
 
 
 def exchange_counts(counts: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
-    """``counts`` (E,), how many of this rank's tokens go to each expert, experts ``r E/W`` to ``(r + 1) E/W`` on
-    rank r. Returns (W, E/W): row s, how many tokens rank s sends to each of this rank's experts."""
+    """``counts`` (E,), how many of this rank's tokens go to each expert, experts ``r E/W`` up to, not
+    including, ``(r + 1) E/W`` on rank r. Returns (W, E/W): row s, how many tokens rank s sends to each of this
+    rank's experts."""
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)  # an even split: E/W counts to each rank
     return received.view(world_size, -1)
@@ -271,10 +273,10 @@ def expert_major_order(received: torch.Tensor) -> torch.Tensor:
 
 class ExpertParallelMoE(nn.Module):
     """``moe``'s experts split over the ``world_size`` ranks of ``group``: this rank (``rank`` in the group) keeps
-    experts ``rank E/W`` to ``(rank + 1) E/W``, and a copy of the router. Each rank routes its own tokens; two
-    all-to-alls carry them to their experts and the results back. With no capacity (or none reached) it equals
-    ``moe`` on all the ranks' tokens together: the outputs, the experts' gradients, and the router's gradient
-    once summed over the ranks."""
+    experts ``rank E/W`` up to, not including, ``(rank + 1) E/W``, and a copy of the router. Each rank routes its
+    own tokens; two all-to-alls carry them to their experts and the results back. With no capacity (or none
+    reached) it equals ``moe`` on all the ranks' tokens together: the outputs, the experts' gradients, and the
+    router's gradient once summed over the ranks."""
 
     def __init__(self, moe: MoE, rank: int, world_size: int, group=None):
         super().__init__()
@@ -332,6 +334,7 @@ def average_gradients(model: nn.Module, world_size: int, replica_group=None) -> 
         if parameter.grad is None:  # an expert that no token reached in this step, in a model without others
             parameter.grad = torch.zeros_like(parameter)
     named = list(model.named_parameters())
+    # group None: the whole world for the shared parameters; for the experts, no copies (dp = 1) and no all-reduce
     for experts, group in ((False, None), (True, replica_group)):
         grads = [p.grad for name, p in named if is_expert_parameter(name) == experts]
         if not grads:

@@ -84,8 +84,9 @@ def all_to_all(X: torch.Tensor, output_splits: list[int], input_splits: list[int
 
 
 def exchange_counts(counts: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
-    """``counts`` (E,), how many of this rank's tokens go to each expert, experts ``r E/W`` to ``(r + 1) E/W`` on
-    rank r. Returns (W, E/W): row s, how many tokens rank s sends to each of this rank's experts."""
+    """``counts`` (E,), how many of this rank's tokens go to each expert, experts ``r E/W`` up to, not
+    including, ``(r + 1) E/W`` on rank r. Returns (W, E/W): row s, how many tokens rank s sends to each of this
+    rank's experts."""
     # TODO: how many rows this rank receives from each rank, for each of its experts (one even all-to-all)
     raise NotImplementedError("TODO: exchange_counts")
 
@@ -99,10 +100,10 @@ def expert_major_order(received: torch.Tensor) -> torch.Tensor:
 
 class ExpertParallelMoE(nn.Module):
     """``moe``'s experts split over the ``world_size`` ranks of ``group``: this rank (``rank`` in the group) keeps
-    experts ``rank E/W`` to ``(rank + 1) E/W``, and a copy of the router. Each rank routes its own tokens; two
-    all-to-alls carry them to their experts and the results back. With no capacity (or none reached) it equals
-    ``moe`` on all the ranks' tokens together: the outputs, the experts' gradients, and the router's gradient
-    once summed over the ranks."""
+    experts ``rank E/W`` up to, not including, ``(rank + 1) E/W``, and a copy of the router. Each rank routes its
+    own tokens; two all-to-alls carry them to their experts and the results back. With no capacity (or none
+    reached) it equals ``moe`` on all the ranks' tokens together: the outputs, the experts' gradients, and the
+    router's gradient once summed over the ranks."""
 
     def __init__(self, moe: MoE, rank: int, world_size: int, group=None):
         super().__init__()

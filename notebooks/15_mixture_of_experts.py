@@ -78,7 +78,8 @@ print(f"{len(text.train):,} training windows of {text.context} bytes")
 # ## 1. The layer against a loop over tokens
 #
 # `MoE` sorts the assignments by expert and runs each expert once. `moe_by_loop` takes one token and one chosen
-# expert at a time. Both must give the same output and the same gradients, with and without dropping.
+# expert at a time. Their gradients must be the same, of the input and of every parameter, with and without
+# dropping.
 
 # %%
 for top_k, factor in [(1, None), (2, None), (2, 0.75)]:
@@ -98,8 +99,10 @@ for top_k, factor in [(1, None), (2, None), (2, 0.75)]:
 # %% [markdown]
 # ## 2. Tokens per expert over training
 #
-# The same GPT, trained twice on the text: without the balancing loss, and with Switch's weight of 0.01. Each step
-# records how many tokens of the batch the first layer's router sent to each expert.
+# The same GPT, trained twice on the text: without the balancing loss, and with a weight of 0.01. That weight
+# multiplies the mean of the 2 layers' balancing losses: 0.005 per layer, half of Switch's 0.01 per layer (the
+# comment "Switch's" in the parameters cell predates this). Each step records how many tokens of the batch the
+# first layer's router sent to each expert.
 
 # %%
 runs = [train_routing(text, CONFIG, NUM_EXPERTS, TOP_K, alpha, STEPS, BATCH) for alpha in ALPHAS]

@@ -6,17 +6,21 @@ import pytest
 import torch
 
 from common.experiments.moe import expert_parallel_checks, mesh_checks
+from common.gpt import GPT
 from common.launch import in_turn, run_on_ranks
 from common.moe import (
     ExpertParallelMoE,
     MoE,
     Routing,
+    average_gradients,
     expert_capacity,
     keep_within_capacity,
     load_balancing_loss,
     moe_by_loop,
+    moe_gpt,
     route,
 )
+from common.tensor_parallel import FeedForward
 
 
 def test_top_k_picks_the_most_probable_experts_and_the_gates_are_their_probabilities_or_sum_to_one():
@@ -77,6 +81,41 @@ def test_the_balancing_loss_is_one_when_balanced_and_its_gradient_reaches_the_ro
     moe.aux_loss.backward()
     assert moe.router.weight.grad.abs().sum() > 0
     assert all(p.grad is None for p in moe.experts.parameters())  # the experts play no part in it
+
+
+def test_moe_gpt_gives_each_block_experts_of_that_blocks_own_width_and_dropout():
+    gpt = GPT(vocab_size=16, context=4, d_model=8, num_heads=2, num_layers=2, dropout=0.0)
+    gpt.blocks[1].mlp = FeedForward(8, hidden=24, dropout=0.25)  # a second block unlike the first
+    moe_gpt(gpt, num_experts=2, capacity_factor=1.0)
+    first, second = (block.mlp for block in gpt.blocks)
+    assert (first.experts[0].up.out_features, first.dropout) == (32, 0.0)
+    assert (second.experts[0].up.out_features, second.dropout) == (24, 0.25)
+    assert first.capacity_factor == second.capacity_factor == 1.0
+
+
+def test_average_gradients_sums_the_experts_over_their_copies_only_and_divides_everything_by_all_ranks(monkeypatch):
+    # A fast stand-in for the slow 2 x 2 mesh test: all_reduce is faked, as if 2 copies (dp = 2) held the same
+    # gradient, so that summing doubles it. W = 4 ranks. The shared parameters: summed over the world (None).
+    replica_group = object()
+    calls = []
+
+    def all_reduce(flat, group=None):
+        calls.append(group)
+        flat *= 2
+
+    monkeypatch.setattr("torch.distributed.all_reduce", all_reduce)
+    moe = MoE(4, 2, hidden=8)
+    for p in moe.parameters():
+        p.grad = torch.ones_like(p)
+    average_gradients(moe, world_size=4, replica_group=replica_group)
+    assert calls == [None, replica_group]  # the shared parameters over the world, the experts over their copies
+    assert all(torch.all(p.grad == 0.5) for p in moe.parameters())  # 1 x 2 / 4
+    calls.clear()
+    for p in moe.parameters():
+        p.grad = torch.ones_like(p)
+    average_gradients(moe, world_size=4)  # dp = 1: no copies of the experts, no all-reduce for them
+    assert calls == [None]
+    assert torch.all(moe.router.weight.grad == 0.5) and all(torch.all(p.grad == 0.25) for p in moe.experts.parameters())
 
 
 def test_bad_input_fails_at_once_with_a_clear_message():

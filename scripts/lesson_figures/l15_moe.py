@@ -25,27 +25,28 @@ def printed_by_cell(cell_id: str) -> str:
 
 
 def moe_layer(path: Path) -> None:
-    """One token through a top-1 MoE layer: the router's softmax, the chosen expert, the gate times its output."""
+    """One token through a top-1 MoE layer: the router's softmax, the chosen expert, the gate times its output. As in
+    lesson 13's pre-norm block, the router and the expert see norm(x), and only the residual adds x."""
     fig, axes = canvas(10, 4.2, xlim=20, ylim=8.4)
     axes.text(
         10, 8.1, "A mixture-of-experts layer in place of the MLP (top-1)", ha="center", fontsize=12, weight="bold"
     )
     box(axes, 0.2, 3.6, 2.2, 1.0, "token x\n(width h)", tint(RANK_COLOURS[2]), 9)
-    box(axes, 3.2, 3.6, 2.6, 1.0, "router: E\nscores W_r x", "#bcbddc", 9)
+    box(axes, 3.2, 3.6, 2.6, 1.0, "router: E scores\nW_r norm(x)", "#bcbddc", 8)
     arrow(axes, (2.4, 4.1), (3.4, 4.1))
     probs = (0.15, 0.55, 0.2, 0.1)
     for index, p in enumerate(probs):
         axes.add_patch(plt.Rectangle((6.6 + index * 0.6, 3.2), 0.45, 2.6 * p, fc=EXPERT_COLOURS[index], ec="black"))
         axes.text(6.82 + index * 0.6, 2.85, f"{index}", ha="center", fontsize=8)
     axes.text(7.7, 5.4, "softmax p", ha="center", fontsize=9)
-    axes.text(7.7, 2.3, "top-1: expert 1,\ngate g = p_1 = 0.55", ha="center", fontsize=8)
+    axes.text(7.7, 1.7, "top-1: expert 1,\ngate g = p_1 = 0.55", ha="center", fontsize=8)
     arrow(axes, (5.8, 4.1), (6.5, 4.1))
     for index in range(4):
         y = 6.2 - 1.4 * index
         chosen = index == 1
         box(axes, 10.6, y, 3.0, 1.0, f"expert {index}: MLP", EXPERT_COLOURS[index] if chosen else IDLE, 9)
-    arrow(axes, (9.1, 4.4), (10.6, 5.3), text="x", fontsize=8)
-    box(axes, 14.4, 4.3, 2.6, 1.0, "g times\nexpert_1(x)", COMPUTE, 9)
+    arrow(axes, (9.1, 4.4), (10.6, 5.3), text="norm(x)", fontsize=8)
+    box(axes, 14.4, 4.3, 2.6, 1.0, "g times\nexpert_1(norm(x))", COMPUTE, 7.5)
     arrow(axes, (13.6, 5.3), (14.4, 4.8))
     box(axes, 17.6, 4.3, 2.2, 1.0, "+ x\n(residual)", tint(RANK_COLOURS[2]), 9)
     arrow(axes, (17.0, 4.8), (17.6, 4.8))
@@ -110,14 +111,16 @@ def all_to_all(path: Path) -> None:
 
 
 def capacity(path: Path) -> None:
-    """Eight tokens over four experts at capacity factor 1: capacity 2, the third token of a busy expert dropped."""
+    """Eight tokens over four experts at capacity factor 1 (top-1): capacity 2, the third and fourth tokens of a busy
+    expert dropped, two slots of other experts left empty.
+    Each box is as tall as the capacity: the dropped rows stick out above it."""
     fig, axes = canvas(9, 4.2, xlim=18, ylim=8.4)
     axes.text(9, 8.0, "Capacity: ceil(factor x T k / E) per expert, the rest dropped", ha="center", fontsize=12,
               weight="bold")  # fmt: skip
     load = {0: 4, 1: 2, 2: 1, 3: 1}  # 8 tokens, top-1, E = 4: capacity 2 at factor 1
     for expert, count in load.items():
         x = 1.5 + 4 * expert
-        axes.add_patch(plt.Rectangle((x, 1.5), 2.4, 4.6, fc="white", ec="black"))
+        axes.add_patch(plt.Rectangle((x, 1.5), 2.4, 2.4, fc="white", ec="black"))  # 2 slots: the capacity
         for slot in range(count):
             dropped = slot >= 2
             axes.add_patch(
@@ -135,7 +138,7 @@ def capacity(path: Path) -> None:
     axes.text(17.3, 3.9, "capacity\n= 2", fontsize=8, va="center")
     axes.text(4.5, 6.6, "dropped: the residual carries\nthese tokens on unchanged", ha="center", fontsize=8,
               color="#e15759")  # fmt: skip
-    axes.text(9, 0.2, "8 tokens, top-1, 4 experts, factor 1.0: 2 of 8 dropped, 3 slots left empty", ha="center",
+    axes.text(9, 0.2, "8 tokens, top-1, 4 experts, factor 1.0: 2 of 8 dropped, 2 slots left empty", ha="center",
               fontsize=9)  # fmt: skip
     save(fig, path)
 
@@ -210,7 +213,7 @@ def step_time_and_links(path: Path) -> None:
     right.invert_yaxis()
     right.set_xlabel("ms per training step, rank 0 of 2")
     right.set_xlim(0, 260)
-    right.set_title("Solution 16 between two emulated nodes", fontsize=10)
+    right.set_title("Solution 16 on loopback and between two emulated nodes", fontsize=10)
     right.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     save(fig, path)
