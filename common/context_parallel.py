@@ -126,11 +126,12 @@ def merge(out, lse, block_out, block_lse):
     # END LAB
 
 
-def attend_pieces(q, k, v, query_pieces, key_pieces, causal, out, lse) -> int:
-    """Merge the attention of ``q`` (this rank's queries, its ``query_pieces`` side by side) over one block of keys
-    and values (``key_pieces`` side by side) into ``out`` and ``lse``, in place. Pairs of pieces that the causal
-    mask hides entirely are skipped. Returns the work done: the number of query-key scores computed."""
-    work, q_start = 0, 0
+def attend_pieces(q, k, v, query_pieces, key_pieces, causal):
+    """The attention of ``q`` (this rank's queries, its ``query_pieces`` side by side) over one block of keys and
+    values (``key_pieces`` side by side), pair of pieces by pair: for each pair that the causal mask does not hide
+    entirely, the query rows it covers, its output and its log-sum-exp (``block_attention``). Hidden pairs are
+    skipped: no score of theirs is computed."""
+    q_start = 0
     for query_piece in query_pieces:
         rows = slice(q_start, q_start + len(query_piece))
         k_start = 0
@@ -139,12 +140,9 @@ def attend_pieces(q, k, v, query_pieces, key_pieces, causal, out, lse) -> int:
             seen = visible(query_piece, key_piece, causal)
             if seen != "none":
                 mask = causal_mask(query_piece, key_piece, q.device) if seen == "some" else None
-                block_out, block_lse = block_attention(q[..., rows, :], k[..., cols, :], v[..., cols, :], mask)
-                out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
-                work += len(query_piece) * len(key_piece)
+                yield rows, *block_attention(q[..., rows, :], k[..., cols, :], v[..., cols, :], mask)
             k_start = cols.stop
         q_start = rows.stop
-    return work
 
 
 def attend_pieces_backward(q, k, v, query_pieces, key_pieces, causal, lse, dout, delta, dq, dk, dv) -> None:
@@ -188,7 +186,9 @@ class BlockwiseAttention(torch.autograd.Function):
         lse = q.new_full(q.shape[:-1], float("-inf"))
         for piece in key_pieces:  # one block of keys at a time: nothing of size seq x seq is ever held
             block = slice(piece.start, piece.stop)
-            attend_pieces(q, k[..., block, :], v[..., block, :], query_pieces, [piece], causal, out, lse)
+            for rows, block_out, block_lse in attend_pieces(q, k[..., block, :], v[..., block, :], query_pieces,
+                                                            [piece], causal):  # fmt: skip
+                out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pieces, ctx.causal = (query_pieces, key_pieces), causal
         return out
@@ -256,12 +256,13 @@ class RingAttention(torch.autograd.Function):
         seq = q.shape[-2] * world_size
         pieces = [shard_pieces(seq, source, world_size, layout) for source in range(world_size)]
         out, lse = torch.zeros_like(q), q.new_full(q.shape[:-1], float("-inf"))
-        kv, ctx.work = torch.stack([k, v]).contiguous(), 0  # one message per step: keys and values together
+        kv = torch.stack([k, v]).contiguous()  # one message per step: keys and values together
         for step in range(world_size):
             source = (rank - step) % world_size  # whose block this rank holds now
             if step < world_size - 1:
                 received, requests = pass_along(kv, group)  # posted first: the transfer overlaps the computation
-            ctx.work += attend_pieces(q, kv[0], kv[1], pieces[rank], pieces[source], causal, out, lse)
+            for rows, block_out, block_lse in attend_pieces(q, kv[0], kv[1], pieces[rank], pieces[source], causal):
+                out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
             if step < world_size - 1:
                 wait_all(requests)
                 kv = received
@@ -352,7 +353,7 @@ class ContextParallelSelfAttention(nn.Module):
         def heads(T):  # (batch, local, heads * head_dim) -> (batch, heads, local, head_dim)
             return T.view(batch, local, self.num_heads, self.head_dim).transpose(1, 2)
 
-        attend = ring_attention if self.method == "ring" else all_gather_attention
+        attend = RingAttention.apply if self.method == "ring" else all_gather_attention
         mixed = attend(heads(self.q(X)), heads(self.k(X)), heads(self.v(X)), self.layout, self.causal, self.group)
         return self.out(mixed.transpose(1, 2).reshape(batch, local, width))
 

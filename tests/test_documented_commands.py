@@ -210,6 +210,10 @@ NOT_RUN = {
     "--d-model 512 --heads 8 --layers 8 --context 512 --batch-size 8":
         f"{FOUR_GPUS}; its CPU twins (--parallel sequence, torch-sequence) run here, and "
         "tests/test_sequence_parallel.py checks --regather on 2 and 4 ranks",
+    "torchrun --standalone --nproc_per_node=2 solutions/15_context_parallel.py --method torch --context 1024":
+        "written for 2 or more GPUs: context_parallel's handler covers only CUDA attention kernels, and one GPU "
+        "cannot host two NCCL ranks (make gpu-check runs it where there are two); tests/labs/"
+        "test_15_context_parallel.py checks that a CPU is refused",
 }
 # fmt: on
 
@@ -354,6 +358,7 @@ SLOW_COMMANDS = {
     "solutions/11_powersgd.py:8", "solutions/01_ddp_basic.py:4", "solutions/01_ddp_basic.py:5",
     "solutions/12_pipeline.py:2", "solutions/12_pipeline.py:3", "solutions/14_activation_memory.py:2",
     "solutions/14_activation_memory.py:3", "solutions/14_activation_memory.py:4",
+    "solutions/15_context_parallel.py:2", "solutions/15_context_parallel.py:3",
 }  # fmt: skip
 
 

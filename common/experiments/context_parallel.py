@@ -19,6 +19,7 @@ from common.context_parallel import (
     ContextParallelGPT,
     all_gather_attention,
     attend_pieces,
+    merge,
     ring_attention,
     ring_messages,
     shard_pieces,
@@ -134,7 +135,9 @@ def compute_seconds_per_rank(
             out, lse = torch.zeros_like(local_q), local_q.new_full(local_q.shape[:-1], float("-inf"))
             started = time.perf_counter()
             for source in range(world_size):
-                attend_pieces(local_q, *kv[source], pieces[rank], pieces[source], True, out, lse)
+                for rows, block_out, block_lse in attend_pieces(local_q, *kv[source], pieces[rank], pieces[source],
+                                                                True):  # fmt: skip
+                    out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
             times.append(time.perf_counter() - started)
         seconds.append(statistics.median(times))
     return seconds
