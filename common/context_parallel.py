@@ -119,7 +119,7 @@ def merge(out, lse, block_out, block_lse):
 
     Each output is normalised by its own denominator ``exp(lse)``. Over both key sets the denominator is
     ``exp(lse) + exp(block_lse)``, whose log is ``new_lse``, so each output is reweighted by its share of it."""
-    # BEGIN LAB: the online-softmax merge: the new log-sum-exp, then each output weighted by its share of it
+    # BEGIN LAB: the online-softmax merge: the new log-sum-exp, each output reweighted
     new_lse = torch.logaddexp(lse, block_lse)  # log(exp(lse) + exp(block_lse)), without overflow
     scale = safe(new_lse)[..., None]  # both -inf (no key seen anywhere yet): weights 0, not NaN
     return torch.exp(lse[..., None] - scale) * out + torch.exp(block_lse[..., None] - scale) * block_out, new_lse
@@ -226,7 +226,7 @@ def pass_along(send: torch.Tensor, group=None) -> tuple[torch.Tensor, list]:
     received tensor and the two requests, for the caller to ``wait`` on after its computation."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(send)
-    # BEGIN LAB: the ring's order: send to the next rank, receive from the previous one, both without waiting
+    # BEGIN LAB: the ring's order: isend to the next rank, irecv from the previous one, no waiting
     requests = [
         dist.isend(send, global_rank(group, (rank + 1) % world_size), group=group),
         dist.irecv(received, global_rank(group, (rank - 1) % world_size), group=group),

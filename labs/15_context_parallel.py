@@ -3,8 +3,8 @@
 """Lab 15 (lesson 14): context parallelism, one sequence split over the ranks, its attention passed around a ring.
 
 YOUR TASK: write the parts marked TODO below; the rest of this script and common/ are done for you.
-- in ``merge``: the online-softmax merge: the new log-sum-exp, then each output weighted by its share of it
-- in ``pass_along``: the ring's order: send to the next rank, receive from the previous one, both without waiting
+- in ``merge``: the online-softmax merge: the new log-sum-exp, each output reweighted
+- in ``pass_along``: the ring's order: isend to the next rank, irecv from the previous one, no waiting
 Check your work with
 
     LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_15_context_parallel.py
@@ -67,8 +67,8 @@ def merge(out, lse, block_out, block_lse):
 
     Each output is normalised by its own denominator ``exp(lse)``. Over both key sets the denominator is
     ``exp(lse) + exp(block_lse)``, whose log is ``new_lse``, so each output is reweighted by its share of it."""
-    # TODO: the online-softmax merge: the new log-sum-exp, then each output weighted by its share of it
-    raise NotImplementedError("TODO: the online-softmax merge: the new log-sum-exp, then each output weighted by its share of it")
+    # TODO: the online-softmax merge: the new log-sum-exp, each output reweighted
+    raise NotImplementedError("TODO: the online-softmax merge: the new log-sum-exp, each output reweighted")
 
 
 class BlockwiseAttention(torch.autograd.Function):
@@ -111,8 +111,8 @@ def pass_along(send: torch.Tensor, group=None) -> tuple[torch.Tensor, list]:
     received tensor and the two requests, for the caller to ``wait`` on after its computation."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(send)
-    # TODO: the ring's order: send to the next rank, receive from the previous one, both without waiting
-    raise NotImplementedError("TODO: the ring's order: send to the next rank, receive from the previous one, both without waiting")
+    # TODO: the ring's order: isend to the next rank, irecv from the previous one, no waiting
+    raise NotImplementedError("TODO: the ring's order: isend to the next rank, irecv from the previous one, no waiting")
     return received, requests
 
 

@@ -7,8 +7,8 @@ Runs against solutions/15_context_parallel.py; with LAB_TARGET=labs, against you
 First, in this one process: your ``merge`` gives ``BlockwiseAttention`` the output and gradients of
 ``F.scaled_dot_product_attention``. Then one spawn of 2 ranks, and of 3 in the slow run (with 2, the next rank
 and the previous one are the same rank, and a ring in the wrong direction would pass): your ``RingAttention``
-against SDPA, causal, in the zig-zag layout, and your ``ContextParallelGPT`` against the whole GPT. The script's own training runs in
-tests/test_documented_commands.py (its first command, for 2 batches).
+against SDPA, causal, in the zig-zag layout, and your ``ContextParallelGPT`` against the whole GPT. The script's
+own training runs in tests/test_documented_commands.py (its first command, for 2 batches).
 """
 
 import pytest
