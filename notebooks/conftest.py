@@ -1,6 +1,6 @@
 """Notebooks under test run with small settings: their parameters cell reads COURSE_QUICK.
 
-The four slowest to execute (40 s to 90 s each on 2 cores, even quick) run with the slow drills: `make test-slow`
+The five slowest to execute (40 s to 90 s each on 2 cores, even quick) run with the slow drills: `make test-slow`
 and CI run them, `make test` leaves them out to stay under 20 minutes. Their code is tested in `make test` all the
 same: each notebook calls the solutions' and common/'s functions, which the tests under tests/ run.
 """
@@ -17,6 +17,7 @@ SLOW_NOTEBOOKS = {
     "03_distributed_data_parallel.ipynb",
     "04_gradient_accumulation.ipynb",
     "09_profiling_and_scaling.ipynb",
+    "14_context_parallelism.ipynb",  # 80 s quick: five process groups, of 2 and 4 ranks
 }
 
 

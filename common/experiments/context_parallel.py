@@ -121,26 +121,26 @@ def work_per_rank(seq: int, world_size: int, layout: str, causal: bool = True) -
 def compute_seconds_per_rank(
     seq: int, world_size: int, layout: str, batch: int = 1, heads: int = 4, head_dim: int = 16, repeats: int = 5
 ) -> list[float]:
-    """Each rank's attention computation in one ring forward, timed in this one process (the median of
-    ``repeats``): the blocks it would receive, without the messages. Causal mask, float32."""
+    """Each rank's attention computation in one causal ring forward, timed in this one process: the blocks it would
+    receive, merged, without the messages (float32). The ranks take turns within each repeat, after one round to
+    warm up, so that a load that comes and goes hits them alike; the median of ``repeats`` per rank."""
     q, k, v, _ = random_qkv(batch, heads, seq, head_dim, dtype=torch.float32)
     pieces = [shard_pieces(seq, rank, world_size, layout) for rank in range(world_size)]
-    kv = [(shard_sequence(k, r, world_size, layout, 2), shard_sequence(v, r, world_size, layout, 2)) for r in
-          range(world_size)]  # fmt: skip
-    seconds = []
-    for rank in range(world_size):
-        local_q = shard_sequence(q, rank, world_size, layout, 2)
-        times = []
-        for _ in range(repeats):
+    local = [[shard_sequence(t, r, world_size, layout, 2) for t in (q, k, v)] for r in range(world_size)]
+    times, threads = [[] for _ in range(world_size)], torch.get_num_threads()
+    torch.set_num_threads(1)  # one core, as one rank of a ring on this machine would have
+    for _ in range(repeats + 1):
+        for rank in range(world_size):
+            local_q = local[rank][0]
             out, lse = torch.zeros_like(local_q), local_q.new_full(local_q.shape[:-1], float("-inf"))
             started = time.perf_counter()
             for source in range(world_size):
-                for rows, block_out, block_lse in attend_pieces(local_q, *kv[source], pieces[rank], pieces[source],
-                                                                True):  # fmt: skip
+                blocks = attend_pieces(local_q, *local[source][1:], pieces[rank], pieces[source], True)
+                for rows, block_out, block_lse in blocks:
                     out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
-            times.append(time.perf_counter() - started)
-        seconds.append(statistics.median(times))
-    return seconds
+            times[rank].append(time.perf_counter() - started)
+    torch.set_num_threads(threads)
+    return [statistics.median(rank_times[1:]) for rank_times in times]  # the first round warms up
 
 
 def ring_step_seconds(env, seq: int, layout: str, batch: int = 1, heads: int = 4, head_dim: int = 16, repeats=5):
@@ -159,10 +159,11 @@ def ring_step_seconds(env, seq: int, layout: str, batch: int = 1, heads: int = 4
 
 def ring_against_all_gather(env, seq: int, batch: int = 1, heads: int = 4, head_dim: int = 16, repeats: int = 5):
     """For each method, on this rank, causal and zig-zag, float32: the bytes it sent (ring: its ``isend``\\ s;
-    all-gather: the gathered tensor, the collectives' size as ``count_collectives`` counts it), the most memory
+    all-gather: (N - 1) / N of the gathered keys and values and of their reduce-scattered gradients, what a ring
+    algorithm sends for those collectives), the most memory
     forward and backward held at once (``HeldMemory.peak``) and the median time of forward and backward."""
     q, k, v, grad = random_qkv(batch, heads, seq, head_dim, dtype=torch.float32)
-    results = {}
+    results, share = {}, (env.world_size - 1) / env.world_size
     for method in METHODS:
         local = [shard_sequence(t, env.rank, env.world_size, "zigzag", dim=2).requires_grad_() for t in (q, k, v)]
         local_grad = shard_sequence(grad, env.rank, env.world_size, "zigzag", dim=2)
@@ -177,7 +178,8 @@ def ring_against_all_gather(env, seq: int, batch: int = 1, heads: int = 4, head_
             torch.autograd.grad(ATTENTION[method](*local, "zigzag", True), local, local_grad)
             times.append(time.perf_counter() - started)
         results[method] = {
-            "bytes sent": messages.bytes_sent if method == "ring" else collectives.bytes(),
+            # a ring all-gather or reduce-scatter sends (N - 1) / N of the whole tensor from each rank
+            "bytes sent": messages.bytes_sent if method == "ring" else collectives.bytes() * share,
             "peak MiB": memory.peak / 2**20,
             "seconds": statistics.median(times),
         }
