@@ -210,6 +210,11 @@ NOT_RUN = {
     "--d-model 512 --heads 8 --layers 8 --context 512 --batch-size 8":
         f"{FOUR_GPUS}; its CPU twins (--parallel sequence, torch-sequence) run here, and "
         "tests/test_sequence_parallel.py checks --regather on 2 and 4 ranks",
+    ".venv/bin/python -m pytest tests/test_context_parallel.py tests/labs/test_15_context_parallel.py":
+        "test files of this suite, which the suite runs itself",
+    "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_15_context_parallel.py":
+        "a starter fails its lab tests until the reader finishes it; "
+        "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
     "torchrun --standalone --nproc_per_node=2 solutions/15_context_parallel.py --method torch --context 1024":
         "written for 2 or more GPUs: context_parallel's handler covers only CUDA attention kernels, and one GPU "
         "cannot host two NCCL ranks (make gpu-check runs it where there are two); tests/labs/"
