@@ -54,6 +54,9 @@ What a lesson builds or shows:
   state), torch's full ``checkpoint`` and its selective version, applied to a model's blocks.
 - ``common.sequence_parallel`` (13): sequence parallelism by hand (all-gather and reduce-scatter as conjugate
   autograd functions, the split GPT), and torch's (``SequenceParallel``, a vocabulary-parallel head, ``loss_parallel``).
+- ``common.context_parallel`` (14): context parallelism: blockwise attention with an online softmax, ring attention
+  by hand (an autograd function passing key/value blocks with ``isend``/``irecv``), contiguous and zig-zag layouts,
+  Llama 3's all-gather of keys and values, and the GPT with its sequence split.
 
 What the notebooks and benchmarks measure with them (timings, spawned experiments, plots), apart from the mechanism:
 
@@ -62,5 +65,6 @@ What the notebooks and benchmarks measure with them (timings, spawned experiment
   called on a bucket built by hand, error feedback's drift), ``pipeline`` (11: timed schedules, gradients against
   ``torch.distributed.pipelining``, the timeline plot), ``tensor_parallel`` (12: the notebook's measurements) and
   ``activations`` (13: a layer's saved bytes against the formula, the recomputation table, sequence parallelism
-  against tensor parallelism, memory per rank).
+  against tensor parallelism, memory per rank) and ``context_parallel`` (14: the ring against SDPA, its messages,
+  work and time per rank in each layout, the ring against the all-gather).
 """
