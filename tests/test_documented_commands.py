@@ -210,6 +210,9 @@ NOT_RUN = {
     "--d-model 512 --heads 8 --layers 8 --context 512 --batch-size 8":
         f"{FOUR_GPUS}; its CPU twins (--parallel sequence, torch-sequence) run here, and "
         "tests/test_sequence_parallel.py checks --regather on 2 and 4 ranks",
+    ".venv/bin/python scripts/cluster.py --nodes 2 --procs-per-node 1 --link 100mbit -- "
+    "benchmarks/ring_attention_overlap.py": f"{MEASURES}; its recorded run is "
+    "results/cpu-amd-epyc-2core/ring_attention_overlap_100mbit.txt",
     ".venv/bin/python -m pytest tests/test_context_parallel.py tests/labs/test_15_context_parallel.py":
         "test files of this suite, which the suite runs itself",
     "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_15_context_parallel.py":
