@@ -14,7 +14,7 @@ For each sequence length, causal and zig-zag, float32, one thread per process, r
 send one block to the next rank and receive one (``pass_along``, then ``wait``), and one ring step both ways: the
 transfer posted before the computation and waited for after it (``RingAttention``'s order), or waited for first.
 The share of the send hidden is what the overlap saved, over the send's time. The arithmetic: a block costs
-``4 b a (s/N)^2 d`` multiply-adds (half of that for a zig-zag block from another rank) and carries
+``2 b a (s/N)^2 d`` multiply-adds (half of that for a zig-zag block from another rank) and carries
 ``2 b a (s/N) d`` values, so longer slices hide better.
 """
 
