@@ -56,7 +56,8 @@ What a lesson builds or shows:
   autograd functions, the split GPT), and torch's (``SequenceParallel``, a vocabulary-parallel head, ``loss_parallel``).
 - ``common.context_parallel`` (14): context parallelism: blockwise attention with an online softmax, ring attention
   by hand (an autograd function passing key/value blocks with ``isend``/``irecv``), contiguous and zig-zag layouts,
-  Llama 3's all-gather of keys and values, and the GPT with its sequence split.
+  Llama 3's all-gather of keys and values, DeepSpeed-Ulysses' all-to-all over heads, and the GPT with its
+  sequence split.
 
 What the notebooks and benchmarks measure with them (timings, spawned experiments, plots), apart from the mechanism:
 

@@ -21,6 +21,7 @@ Three pieces, in the order a reader meets them:
 ``all_gather_attention`` is the other way, used for Llama 3's training (Llama Team 2024, "The Llama 3 Herd of
 Models", section 3.3.2): gather every rank's keys and values once (one all-gather forward, one reduce-scatter of
 their gradients backward), then attend locally. ``ContextParallelGPT`` runs lesson 13's GPT on either.
+``ulysses_attention`` is a third way, DeepSpeed-Ulysses' all-to-all over heads.
 
 Shapes follow ``F.scaled_dot_product_attention``: ``(batch, heads, seq, head_dim)``. A rank's slice is a list of
 ``pieces``, each a ``range`` of positions (one for contiguous, two for zig-zag). Attention dropout is not built here.
@@ -328,6 +329,45 @@ def all_gather_attention(q, k, v, layout: str = "contiguous", causal: bool = Fal
         key_positions = torch.cat([shard_positions(seq, r, world_size, layout) for r in range(world_size)])
         mask = key_positions.to(q.device)[None, :] <= query_positions[:, None]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None) -> torch.Tensor:
+    """Cut ``x`` into N equal chunks along ``scatter_dim`` and send chunk j to rank j; put the N chunks received
+    side by side along ``gather_dim``, rank 0's first. One ``all_to_all_single`` over ``group``."""
+    world_size = dist.get_world_size(group)
+    stacked = torch.stack(x.chunk(world_size, dim=scatter_dim)).contiguous()  # row j goes to rank j
+    received = torch.empty_like(stacked)
+    dist.all_to_all_single(received, stacked, group=group)  # row i came from rank i
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all`` in forward; backward sends the gradient back the other way (the dimensions swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim: int, gather_dim: int, group=None):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def ulysses_attention(q, k, v, layout: str = "contiguous", causal: bool = False, group=None) -> torch.Tensor:
+    """DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all turns "every head, this rank's positions" into "this
+    rank's heads, every position"; ordinary attention runs on whole sequences; a second all-to-all turns the output
+    back. The heads must divide by the ranks: each rank takes ``heads / N`` of them whole."""
+    world_size = dist.get_world_size(group)
+    if q.shape[1] % world_size:
+        raise ValueError(f"{q.shape[1]} heads do not divide by the {world_size} ranks: Ulysses gives each whole heads")
+    seq = q.shape[-2] * world_size
+    order = torch.cat([shard_positions(seq, r, world_size, layout) for r in range(world_size)]).to(q.device)
+    by_position = order.argsort()  # the gathered sequence comes in rank order: sort it into position order
+    whole = [AllToAll.apply(t, 1, 2, group).index_select(2, by_position) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*whole, is_causal=causal)
+    return AllToAll.apply(out.index_select(2, order), 2, 1, group)  # back to rank order, then to every head
 
 
 # --- the GPT ------------------------------------------------------------------------------------------------------

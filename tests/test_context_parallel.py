@@ -18,7 +18,13 @@ from common.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
-from common.experiments.context_parallel import attention_checks, random_qkv, training_losses, work_per_rank
+from common.experiments.context_parallel import (
+    attention_checks,
+    random_qkv,
+    training_losses,
+    ulysses_checks,
+    work_per_rank,
+)
 from common.launch import in_turn, run_on_ranks
 
 CONFIG = dict(context=16, d_model=16, num_heads=2, num_layers=2)
@@ -78,13 +84,14 @@ def test_causal_work_is_lopsided_in_contiguous_slices_and_equal_in_zigzag():
 def results(request):
     calls = [(attention_checks, ()), (training_losses, (CONFIG, 2, 3, "zigzag", "ring"))]
     calls += [(training_losses, (CONFIG, 2, 3, "contiguous", "all-gather"))]
+    calls += [(ulysses_checks, ())]
     return request.param, run_on_ranks(in_turn, request.param, calls, timeout=150)
 
 
 @pytest.mark.timeout(200)
 def test_ring_and_all_gather_equal_sdpa_forward_and_every_gradient_on_every_rank(results):
     world_size, ranks = results
-    for rank, (checks, *_) in enumerate(ranks):
+    for rank, (checks, *_) in enumerate(ranks):  # the ring's and the all-gather's
         for name, check in checks.items():
             if name not in ("formula", "bad length"):
                 assert check["difference"] < 1e-12, f"rank {rank} of {world_size}, {name}: {check['difference']}"
@@ -110,7 +117,17 @@ def test_the_ring_posts_the_messages_and_bytes_of_the_formula(results):
 @pytest.mark.timeout(200)
 def test_the_gpt_trains_to_the_same_losses_with_context_parallelism(results):
     _, ranks = results
-    for _, *runs in ranks:
+    for _, *runs, _ in ranks:
         for losses in runs:
             torch.testing.assert_close(losses["context parallel"], losses["one process"], rtol=1e-10, atol=1e-10)
             assert losses["one process"][-1] < losses["one process"][0]  # it learns: the steps are not no-ops
+
+
+@pytest.mark.timeout(200)
+def test_ulysses_equals_sdpa_on_every_rank_and_refuses_heads_that_do_not_divide_by_the_ranks(results):
+    world_size, ranks = results
+    for rank, (*_, checks) in enumerate(ranks):
+        refusal = checks.pop("heads that do not divide")
+        assert "do not divide by the" in refusal, refusal
+        for name, difference in checks.items():
+            assert difference < 1e-12, f"rank {rank} of {world_size}, {name}: {difference}"

@@ -24,6 +24,7 @@ from common.context_parallel import (
     ring_messages,
     shard_pieces,
     shard_sequence,
+    ulysses_attention,
     visible,
 )
 from common.experiments.activations import build_gpt, token_batch
@@ -38,6 +39,13 @@ def random_qkv(batch: int, heads: int, seq: int, head_dim: int, dtype=torch.floa
     return [torch.randn(batch, heads, seq, head_dim, generator=generator, dtype=dtype) for _ in range(4)]
 
 
+def sdpa_reference(q, k, v, grad, causal: bool) -> list:
+    """SDPA on the whole sequence: its output and the gradients of q, k and v for the output gradient ``grad``."""
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*whole, is_causal=causal)
+    return [reference.detach(), *torch.autograd.grad(reference, whole, grad)]
+
+
 def attention_checks(env, batch: int = 2, heads: int = 2, seq: int = 16, head_dim: int = 8) -> dict:
     """On every rank, for each method, layout and mask: the largest difference of this rank's output and of its
     slices of the gradients of q, k and v from ``F.scaled_dot_product_attention`` on the whole sequence (float64),
@@ -45,9 +53,7 @@ def attention_checks(env, batch: int = 2, heads: int = 2, seq: int = 16, head_di
     q, k, v, grad = random_qkv(batch, heads, seq, head_dim)
     results = {}
     for causal in (False, True):
-        whole = [t.clone().requires_grad_() for t in (q, k, v)]
-        reference = F.scaled_dot_product_attention(*whole, is_causal=causal)
-        expected = [reference.detach(), *torch.autograd.grad(reference, whole, grad)]
+        expected = sdpa_reference(q, k, v, grad, causal)
         for layout in LAYOUTS:
 
             def mine(t):  # this rank's slice along the sequence
@@ -75,6 +81,32 @@ def attention_checks(env, batch: int = 2, heads: int = 2, seq: int = 16, head_di
             results["bad length"] = f"{error}; {'no message' if posted.sends == 0 else 'messages'} posted"
     return {f"{key[0]}, {key[1]}, {'causal' if key[2] else 'full'}" if isinstance(key, tuple) else key: value
             for key, value in results.items()}  # fmt: skip
+
+
+def ulysses_checks(env, batch: int = 2, heads: int = 4, seq: int = 16, head_dim: int = 8) -> dict:
+    """On every rank: ``ulysses_attention`` against SDPA on the whole sequence (output and this rank's slices of
+    the three gradients, float64), both layouts, causal and not; and the error that heads not divisible by the ranks
+    raise before any collective."""
+    q, k, v, grad = random_qkv(batch, heads, seq, head_dim)
+    results = {}
+    for causal in (False, True):
+        expected = sdpa_reference(q, k, v, grad, causal)
+        for layout in LAYOUTS:
+            local = [shard_sequence(t, env.rank, env.world_size, layout, dim=2).requires_grad_() for t in (q, k, v)]
+            out = ulysses_attention(*local, layout, causal)
+            got = [out.detach(), *torch.autograd.grad(out, local, shard_sequence(grad, env.rank, env.world_size,
+                                                                                 layout, dim=2))]  # fmt: skip
+            mine = [shard_sequence(t, env.rank, env.world_size, layout, dim=2) for t in expected]
+            results[f"{layout}, {'causal' if causal else 'full'}"] = max(
+                (a - b).abs().max().item() for a, b in zip(got, mine)
+            )
+    odd = q[:, : env.world_size - 1 or 1]  # fewer heads than ranks
+    try:
+        ulysses_attention(shard_sequence(odd, env.rank, env.world_size, dim=2), odd[:, :, :1], odd[:, :, :1])
+        results["heads that do not divide"] = "accepted"
+    except ValueError as error:
+        results["heads that do not divide"] = str(error)
+    return results
 
 
 def training_losses(env, config: dict, batch: int, steps: int, layout: str, method: str, lr: float = 3e-3):
