@@ -54,6 +54,10 @@ What a lesson builds or shows:
   state), torch's full ``checkpoint`` and its selective version, applied to a model's blocks.
 - ``common.sequence_parallel`` (13): sequence parallelism by hand (all-gather and reduce-scatter as conjugate
   autograd functions, the split GPT), and torch's (``SequenceParallel``, a vocabulary-parallel head, ``loss_parallel``).
+- ``common.context_parallel`` (14): context parallelism: blockwise attention with an online softmax, ring attention
+  by hand (an autograd function passing key/value blocks with ``isend``/``irecv``), contiguous and zig-zag layouts,
+  Llama 3's all-gather of keys and values, DeepSpeed-Ulysses' all-to-all over heads, and the GPT with its
+  sequence split.
 - ``common.moe`` (15): a mixture of experts in place of the MLP (top-k routing, Switch's balancing loss, capacity
   with dropping) and expert parallelism by hand (the counts exchanged, the uneven all-to-all as an autograd Function
   whose backward is the reverse exchange, the expert-major permutation), with and without data parallelism.
@@ -69,8 +73,10 @@ What the notebooks and benchmarks measure with them (timings, spawned experiment
 - ``common.experiments``: one module per lesson: ``ddp_by_hand`` (08: a bucket timeline), ``zero`` (08: live
   tensor bytes, ZeRO's memory per phase and ZeRO-3's time with and without prefetch), ``compression`` (10: a hook
   called on a bucket built by hand, error feedback's drift), ``pipeline`` (11: timed schedules, gradients against
-  ``torch.distributed.pipelining``, the timeline plot), ``tensor_parallel`` (12: the notebook's measurements) and
+  ``torch.distributed.pipelining``, the timeline plot), ``tensor_parallel`` (12: the notebook's measurements),
   ``activations`` (13: a layer's saved bytes against the formula, the recomputation table, sequence parallelism
-  against tensor parallelism, memory per rank) and ``moe`` (15: the expert-parallel layer against the one-process
-  one on every rank, the 2-D mesh, routing over training, dropping against the capacity factor, step times).
+  against tensor parallelism, memory per rank), ``context_parallel`` (14: the ring against SDPA, its messages,
+  work and time per rank in each layout, the ring against the all-gather) and ``moe`` (15: the expert-parallel
+  layer against the one-process one on every rank, the 2-D mesh, routing over training, dropping against the
+  capacity factor, step times).
 """

@@ -68,6 +68,7 @@ class Step:
     timeout: int
     env: dict = field(default_factory=dict)
     json_file: str | None = None  # the command writes its figures here (a file name in the scratch folder)
+    needs_gpus: int = 1  # a machine with fewer skips the step, saying why in one line, and does not fail for it
 
     def shown(self) -> str:
         """The command as a reader would type it, environment variables first."""
@@ -178,6 +179,20 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
                 "2",
             ],
             120,
+        ),
+        Step(
+            "15: the GPT with its sequence split over the GPUs, keys and values passed around a ring",
+            "solutions",
+            [*torchrun, "solutions/15_context_parallel.py", "--epochs", "1", "--max-batches-per-epoch", "5"],
+            120,
+        ),
+        Step(
+            "15: PyTorch's context_parallel (CUDA SDPA kernels, NCCL)",
+            "solutions",
+            [*torchrun, "solutions/15_context_parallel.py", "--method", "torch", "--context", "1024"]
+            + ["--epochs", "1", "--max-batches-per-epoch", "5"],
+            120,
+            needs_gpus=2,
         ),
         Step(
             "16: the GPT with mixture-of-experts MLPs, the experts split over the GPUs",
@@ -516,7 +531,8 @@ def main(args) -> int:
     if args.dry_run:
         num_gpus = args.gpus or 1
         for step in plan(num_gpus, os.cpu_count() or 1, args.results / "<gpu-model>", Path("<scratch>")):
-            print(f"[{step.part}] {step.name} (at most {step.timeout} s): {step.shown()}")
+            skipped = f" (needs {step.needs_gpus}+ GPUs: skipped here)" if step.needs_gpus > num_gpus else ""
+            print(f"[{step.part}] {step.name} (at most {step.timeout} s){skipped}: {step.shown()}")
         return 0
     scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     install_wheels(args.wheels, scratch / "site")
@@ -556,7 +572,17 @@ def main(args) -> int:
     report = {"facts": facts, "missing_packages": missing, "steps": [], "seconds": 0.0}
     for step in plan(len(facts["gpus"]), facts["cpu_cores"] or 1, folder, scratch):
         remaining = args.budget - (time.perf_counter() - start)
-        if remaining < 20:
+        if step.needs_gpus > len(facts["gpus"]):
+            result = {
+                "name": step.name,
+                "part": step.part,
+                "command": step.shown(),
+                "status": "n/a",
+                "seconds": 0,
+                "output": "",
+                "error": f"needs {step.needs_gpus}+ GPUs (one GPU cannot host two NCCL ranks); skipped",
+            }
+        elif remaining < 20:
             result = {
                 "name": step.name,
                 "part": step.part,
@@ -573,7 +599,7 @@ def main(args) -> int:
         report["seconds"] = time.perf_counter() - start
         print(f"  {result['status']:>7} {result['seconds']:>6} s  {step.name}  {result.get('error', '')}", flush=True)
         write_results(folder, report)  # after every step: a run cut short still leaves what it measured
-    failed = [step["name"] for step in report["steps"] if step["status"] != "pass"]
+    failed = [step["name"] for step in report["steps"] if step["status"] not in ("pass", "n/a")]
     print(
         f"gpu-check: {len(report['steps']) - len(failed)} of {len(report['steps'])} steps passed; results in {folder}",
         flush=True,

@@ -230,6 +230,18 @@ NOT_RUN = {
     "torchrun --standalone --nproc_per_node=8 solutions/17_composition.py --pp 2 --dp 2 --tp 2 "
     "--d-model 512 --heads 8 --layers 8 --context 512 --batch-size 32 --steps 50":
         "written for a machine with 8 GPUs (NCCL); tests/test_parallelize.py runs the same mesh on 8 CPU processes",
+    ".venv/bin/python scripts/cluster.py --nodes 2 --procs-per-node 1 --link 100mbit -- "
+    "benchmarks/ring_attention_overlap.py": f"{MEASURES}; its recorded run is "
+    "results/cpu-amd-epyc-2core/ring_attention_overlap_100mbit.txt",
+    ".venv/bin/python -m pytest tests/test_context_parallel.py tests/labs/test_15_context_parallel.py":
+        "test files of this suite, which the suite runs itself",
+    "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_15_context_parallel.py":
+        "a starter fails its lab tests until the reader finishes it; "
+        "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
+    "torchrun --standalone --nproc_per_node=2 solutions/15_context_parallel.py --method torch --context 1024":
+        "written for 2 or more GPUs: context_parallel's handler covers only CUDA attention kernels, and one GPU "
+        "cannot host two NCCL ranks (make gpu-check runs it where there are two); tests/labs/"
+        "test_15_context_parallel.py checks that a CPU is refused",
 }
 # fmt: on
 
@@ -379,6 +391,7 @@ SLOW_COMMANDS = {
     # 4 and 8 processes, 20-35 s each; the one-process command stays in make test
     "solutions/17_composition.py:1", "solutions/17_composition.py:2", "solutions/17_composition.py:3",
     "solutions/17_composition.py:4",
+    "solutions/15_context_parallel.py:2", "solutions/15_context_parallel.py:3",
 }  # fmt: skip
 
 

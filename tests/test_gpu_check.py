@@ -240,6 +240,22 @@ def test_the_check_records_each_step_as_it_ends_and_skips_what_the_budget_leaves
     assert "the table" in (tmp_path / "fake-gpu-x100" / "summary.md").read_text()
 
 
+def test_a_step_that_needs_two_gpus_is_skipped_in_one_line_on_one_gpu_and_does_not_fail_the_check(
+    tmp_path, monkeypatch, capsys
+):
+    torch_context_parallel = [step for step in gpu_check.plan(1, 2, tmp_path, tmp_path) if "--method" in step.command]
+    assert [step.needs_gpus for step in torch_context_parallel] == [2]  # one GPU cannot host two NCCL ranks
+    facts = {"date": "today", "gpus": ["Fake GPU X100"], "torch": torch.__version__, "cpu_cores": 2}
+    facts |= dict.fromkeys(("cuda", "cudnn", "nccl", "driver", "python"))
+    step = gpu_check.Step("two GPUs", "solutions", ["python", "-c", "raise SystemExit(1)"], 60, needs_gpus=2)
+    monkeypatch.setattr(gpu_check, "plan", lambda *args: [step])
+    monkeypatch.setattr(gpu_check, "machine_facts", lambda: facts)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gpu_check.main(gpu_check.parse_args(["--results", str(tmp_path)])) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "two GPUs" in line]
+    assert "n/a" in line and "needs 2+ GPUs (one GPU cannot host two NCCL ranks)" in line
+
+
 @pytest.mark.slow  # make test-slow: a drill of what make gpu-check runs
 def test_the_tests_marked_cuda_are_those_that_need_a_gpu():
     command = next(step.command for step in gpu_check.plan(1, 1, REPO, REPO) if step.part == "tests")
