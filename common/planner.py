@@ -19,6 +19,9 @@ tensor innermost, so that consecutive ranks (one node's devices) share a tensor-
 whose ranks all sit in one node talks over the intra-node link (NVLink, or loopback on the emulated cluster);
 any other group crosses the inter-node link, which is then its bottleneck.
 
+``measured_cluster`` prices a machine from what it measured: ``benchmarks/planner_check.py`` builds one for 2 emulated
+nodes of 2 CPU processes and sets the planner's predictions beside measured step times and memory.
+
 What the model leaves out, on purpose (``NOTES`` prints it under every table): overlap of communication with
 compute (every collective is counted as exposed, so the predicted step is an upper bound on what communication
 costs), kernel efficiency (the compute rate is the device's peak: real kernels reach 30-60% of it, so predicted
@@ -477,6 +480,47 @@ def rank_configs(
     for plan in fitting:  # step 2 holds by construction: dp x micro_batch x micro_batches = global_batch
         plan.time = predict_step_time(model, cluster, training, plan.config)
     return sorted(fitting, key=lambda plan: (plan.time["total"], plan.memory["total"]))  # step 3
+
+
+# -- a cluster priced from measurements ------------------------------------------------------------------------------
+
+
+def measured_cluster(
+    name: str,
+    devices_per_node: int,
+    nodes: int,
+    memory_bytes: float,
+    process_flops: float,
+    intra_fit: dict,
+    inter_fit: dict,
+    cores: int,
+    share: float | None = None,
+) -> Cluster:
+    """A ``Cluster`` of CPU processes priced from what this machine measured (``benchmarks/planner_check.py``).
+
+    - ``process_flops``: FLOP/s of one process alone, one thread. All ``devices`` processes share ``cores`` cores,
+      so each gets ``share`` of that rate: the compute-sharing factor, stated here, not hidden. None:
+      ``min(1, cores / devices)``, a machine that runs nothing else; a measured share also counts other jobs.
+    - ``intra_fit``, ``inter_fit``: ``common.scaling.fit_alpha_beta``'s dicts of a two-rank ``dist.all_reduce``,
+      inside a node (loopback) and between two nodes. A ring of two ranks takes 2 steps of n / 2 bytes, 2 alpha +
+      beta n (``ring_seconds``): the link's alpha is half the fitted one, its beta the fitted one.
+    - Between nodes every device of a node sends at once in the meshes where each rank's group crosses nodes, so a
+      device's share of the link (``Cluster``'s ``inter_*``) is 1 / ``devices_per_node`` of it: beta times that.
+
+    Dropout masks take the activations' own dtype on a CPU (``mask_bytes=None``, lesson 13)."""
+    share = min(1.0, cores / (devices_per_node * nodes)) if share is None else share
+    return Cluster(
+        name,
+        devices_per_node,
+        nodes,
+        memory_bytes,
+        process_flops * share,
+        intra_alpha=intra_fit["alpha_s"] / 2,
+        intra_beta=intra_fit["beta_s_per_byte"],
+        inter_alpha=inter_fit["alpha_s"] / 2,
+        inter_beta=inter_fit["beta_s_per_byte"] * devices_per_node,
+        mask_bytes=None,
+    )
 
 
 # -- presets: published models and clusters, with the sources of their figures ---------------------------------------
