@@ -1,4 +1,4 @@
-"""Lab 15: the online-softmax merge, and the ring's order of messages.
+"""Lab 15: the online-softmax merge, and the ring's direction of messages.
 
 Runs against solutions/15_context_parallel.py; with LAB_TARGET=labs, against your labs/15_context_parallel.py:
 
