@@ -231,7 +231,7 @@ def pass_along(send: torch.Tensor, group=None) -> tuple[torch.Tensor, list]:
     send, and the ring could hang (NVIDIA/nccl#479); a group lets NCCL run both at once."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(send)
-    # BEGIN LAB: the ring's direction: send to the next rank, receive from the previous one, one group, no waiting
+    # BEGIN LAB: the ring's direction: to the next rank, from the previous one, as one group
     requests = dist.batch_isend_irecv(
         [
             dist.P2POp(dist.isend, send, global_rank(group, (rank + 1) % world_size), group=group),

@@ -4,7 +4,7 @@
 
 YOUR TASK: write the parts marked TODO below; the rest of this script and common/ are done for you.
 - in ``merge``: the online-softmax merge: the new log-sum-exp, each output reweighted
-- in ``pass_along``: the ring's direction: send to the next rank, receive from the previous one, one group, no waiting
+- in ``pass_along``: the ring's direction: to the next rank, from the previous one, as one group
 Check your work with
 
     LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_15_context_parallel.py
@@ -115,8 +115,8 @@ def pass_along(send: torch.Tensor, group=None) -> tuple[torch.Tensor, list]:
     send, and the ring could hang (NVIDIA/nccl#479); a group lets NCCL run both at once."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(send)
-    # TODO: the ring's direction: send to the next rank, receive from the previous one, one group, no waiting
-    raise NotImplementedError("TODO: the ring's direction: send to the next rank, receive from the previous one, one group, no waiting")
+    # TODO: the ring's direction: to the next rank, from the previous one, as one group
+    raise NotImplementedError("TODO: the ring's direction: to the next rank, from the previous one, as one group")
     return received, requests
 
 
