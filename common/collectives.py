@@ -163,6 +163,7 @@ class MessageCount:
     receives: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    grouped: int = 0  # of those sends and receives, the ones posted in a ``dist.batch_isend_irecv`` group
 
 
 @contextmanager
@@ -175,22 +176,43 @@ def count_messages():
 
     It wraps the four functions of ``torch.distributed`` for the duration of the block, so it sees the calls
     that code makes through ``dist.<name>`` (as this module does), not messages a backend sends inside its own
-    collectives such as ``dist.all_reduce``.
+    collectives such as ``dist.all_reduce``. It counts each ``isend``/``irecv`` of a ``dist.batch_isend_irecv``
+    group too: ``dist.P2POp`` accepts only the real ``isend``/``irecv``, so inside the block it is handed them.
     """
     count = MessageCount()
 
+    def tally(name, tensor):
+        size = tensor.numel() * tensor.element_size()
+        if name in ("send", "isend"):
+            count.sends, count.bytes_sent = count.sends + 1, count.bytes_sent + size
+        else:
+            count.receives, count.bytes_received = count.receives + 1, count.bytes_received + size
+
     def counting(name, original):
+        if name == "P2POp":  # built from the wrappers below: unwrap them, P2POp checks its op by identity
+
+            def build(op, *args, **kwargs):
+                return original(getattr(op, "__wrapped__", op), *args, **kwargs)
+
+            return build
+        if name == "batch_isend_irecv":  # its ops hold the real isend/irecv, which do not count: count here
+
+            def batch(ops):
+                for op in ops:
+                    tally(op.op.__name__, op.tensor)
+                count.grouped += len(ops)
+                return original(ops)
+
+            return batch
+
         def wrapper(tensor, *args, **kwargs):
-            size = tensor.numel() * tensor.element_size()
-            if name in ("send", "isend"):
-                count.sends, count.bytes_sent = count.sends + 1, count.bytes_sent + size
-            else:
-                count.receives, count.bytes_received = count.receives + 1, count.bytes_received + size
+            tally(name, tensor)
             return original(tensor, *args, **kwargs)
 
+        wrapper.__wrapped__ = original
         return wrapper
 
-    with wrapped_dist_functions(("send", "isend", "recv", "irecv"), counting):
+    with wrapped_dist_functions(("send", "isend", "recv", "irecv", "P2POp", "batch_isend_irecv"), counting):
         yield count
 
 

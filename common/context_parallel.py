@@ -224,14 +224,20 @@ def global_rank(group, rank: int) -> int:
 
 def pass_along(send: torch.Tensor, group=None) -> tuple[torch.Tensor, list]:
     """Post ``send`` to the next rank of the ring and a receive from the previous one, without waiting: the
-    received tensor and the two requests, for the caller to ``wait`` on after its computation."""
+    received tensor and the two requests, for the caller to ``wait`` on after its computation.
+
+    The two are posted as one group (``dist.batch_isend_irecv``). Gloo would take two separate ``isend`` and
+    ``irecv`` calls, but on NCCL each rank's send could then wait for a receive its peer has queued behind its own
+    send, and the ring could hang (NVIDIA/nccl#479); a group lets NCCL run both at once."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(send)
-    # BEGIN LAB: the ring's order: isend to the next rank, irecv from the previous one, no waiting
-    requests = [
-        dist.isend(send, global_rank(group, (rank + 1) % world_size), group=group),
-        dist.irecv(received, global_rank(group, (rank - 1) % world_size), group=group),
-    ]
+    # BEGIN LAB: the ring's direction: to the next rank, from the previous one, as one group
+    requests = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, send, global_rank(group, (rank + 1) % world_size), group=group),
+            dist.P2POp(dist.irecv, received, global_rank(group, (rank - 1) % world_size), group=group),
+        ]
+    )
     # END LAB
     return received, requests
 

@@ -4,7 +4,7 @@
 
 YOUR TASK: write the parts marked TODO below; the rest of this script and common/ are done for you.
 - in ``merge``: the online-softmax merge: the new log-sum-exp, each output reweighted
-- in ``pass_along``: the ring's order: isend to the next rank, irecv from the previous one, no waiting
+- in ``pass_along``: the ring's direction: to the next rank, from the previous one, as one group
 Check your work with
 
     LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_15_context_parallel.py
@@ -108,11 +108,15 @@ class BlockwiseAttention(torch.autograd.Function):
 
 def pass_along(send: torch.Tensor, group=None) -> tuple[torch.Tensor, list]:
     """Post ``send`` to the next rank of the ring and a receive from the previous one, without waiting: the
-    received tensor and the two requests, for the caller to ``wait`` on after its computation."""
+    received tensor and the two requests, for the caller to ``wait`` on after its computation.
+
+    The two are posted as one group (``dist.batch_isend_irecv``). Gloo would take two separate ``isend`` and
+    ``irecv`` calls, but on NCCL each rank's send could then wait for a receive its peer has queued behind its own
+    send, and the ring could hang (NVIDIA/nccl#479); a group lets NCCL run both at once."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(send)
-    # TODO: the ring's order: isend to the next rank, irecv from the previous one, no waiting
-    raise NotImplementedError("TODO: the ring's order: isend to the next rank, irecv from the previous one, no waiting")
+    # TODO: the ring's direction: to the next rank, from the previous one, as one group
+    raise NotImplementedError("TODO: the ring's direction: to the next rank, from the previous one, as one group")
     return received, requests
 
 
@@ -314,11 +318,11 @@ def train(args, env):
 
 def step_loss(net, tokens, targets, args, env) -> float:
     """One forward and backward; every gradient summed over the ranks. The batch's mean loss, on every rank."""
-    if args.method == "torch":
-        loss = torch_context_parallel_loss(net, tokens, targets, env)
+    if args.method == "torch":  # its backward runs inside its context: see torch_context_parallel_loss
+        loss = torch_context_parallel_loss(net, tokens, targets, env, backward=True)
     else:
         loss = net.loss(tokens, targets)  # this rank's share of the mean
-    loss.backward()
+        loss.backward()
     for parameter in net.parameters():  # each rank's gradients hold its positions' terms only: sum them
         dist.all_reduce(parameter.grad)  # (ContextParallelGPT.finish_gradients, written out)
     total = loss.detach().clone()
@@ -326,11 +330,16 @@ def step_loss(net, tokens, targets, args, env) -> float:
     return total.item()
 
 
-def torch_context_parallel_loss(gpt: GPT, tokens, targets, env):
+def torch_context_parallel_loss(gpt: GPT, tokens, targets, env, backward: bool = False):
     """PyTorch's context parallelism: ``context_parallel`` shards the listed buffers along the sequence in place
     (head-tail, its zig-zag, when the length divides by 2N) and swaps ``F.scaled_dot_product_attention`` for its
-    ring version inside the block. The attention must therefore call SDPA: this GPT's ``attend`` does not, so
-    ``sdpa_forward`` runs the same weights through it."""
+    context-parallel version inside the block. Its default all-gathers the keys and values (in forward, and again
+    in backward); their gradients still pass rank to rank around a ring. The attention must therefore call SDPA:
+    this GPT's ``attend`` does not, so ``sdpa_forward`` runs the same weights through it.
+
+    ``backward``: run ``loss.backward()`` inside the block. It must: on exit ``context_parallel`` removes its SDPA
+    handler and puts the buffers back, and SDPA's backward would then run without it, over the whole
+    permuted sequence. Returns the loss, detached."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
@@ -339,9 +348,12 @@ def torch_context_parallel_loss(gpt: GPT, tokens, targets, env):
     tokens, targets = tokens.clone(), targets.clone()
     with context_parallel(mesh, buffers=[tokens, targets, positions], buffer_seq_dims=[1, 1, 1]):
         logits = sdpa_forward(gpt, tokens, positions)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / (
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / (
             targets.numel() * env.world_size
         )
+        if backward:
+            loss.backward()
+    return loss.detach()
 
 
 def sdpa_forward(gpt: GPT, tokens, positions):

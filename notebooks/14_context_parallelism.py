@@ -27,7 +27,7 @@
 #
 # ![Ring attention on four ranks](../lessons/figures/14_ring_attention.png)
 #
-# Every figure is measured on the machine that ran the notebook. The functions it calls live in
+# Every number printed below is measured on the machine that ran the notebook. The functions it calls live in
 # `common/experiments/context_parallel.py`. `common.launch.run_on_ranks` starts the processes of sections 2 to 5.
 
 # %%
@@ -150,7 +150,8 @@ for world_size in (2, 4):
 # %% [markdown]
 # The ring sends 3N - 2 blocks per rank: N - 1 forward, N - 1 again in backward and N gradient blocks. The
 # all-gather sends N - 1 blocks each way. So the ring sends more bytes here, not fewer. Its gain is memory at large
-# N: it holds two key/value blocks at a time, where the all-gather holds N. At these sizes the ring's peak is set
+# N (N > 2): it holds 2 key/value blocks in forward and 4 in backward, whatever N, where the all-gather holds N
+# and 2N. At these sizes the ring's peak is set
 # by its unfused block arithmetic instead, and CPU SDPA, which the all-gather calls, is a fused kernel. The ring
 # is also slower here, in Python, on a shared CPU, where nothing overlaps for free.
 #

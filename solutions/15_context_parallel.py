@@ -40,7 +40,7 @@ from common.distributed import BACKENDS, ConfigurationError, print0, process_gro
 from common.gpt import GPT
 from common.text import load_text
 
-# BEGIN LAB: the online-softmax merge, and the ring's order of messages
+# BEGIN LAB: the online-softmax merge, and the ring's direction of messages (one group)
 from common.context_parallel import merge, pass_along  # noqa: F401  # isort: skip
 from common.context_parallel import BlockwiseAttention, RingAttention  # noqa: F401  # isort: skip
 from common.context_parallel import ContextParallelSelfAttention, ContextParallelGPT  # noqa: F401  # isort: skip
@@ -126,11 +126,11 @@ def train(args, env):
 
 def step_loss(net, tokens, targets, args, env) -> float:
     """One forward and backward; every gradient summed over the ranks. The batch's mean loss, on every rank."""
-    if args.method == "torch":
-        loss = torch_context_parallel_loss(net, tokens, targets, env)
+    if args.method == "torch":  # its backward runs inside its context: see torch_context_parallel_loss
+        loss = torch_context_parallel_loss(net, tokens, targets, env, backward=True)
     else:
         loss = net.loss(tokens, targets)  # this rank's share of the mean
-    loss.backward()
+        loss.backward()
     for parameter in net.parameters():  # each rank's gradients hold its positions' terms only: sum them
         dist.all_reduce(parameter.grad)  # (ContextParallelGPT.finish_gradients, written out)
     total = loss.detach().clone()
@@ -138,11 +138,16 @@ def step_loss(net, tokens, targets, args, env) -> float:
     return total.item()
 
 
-def torch_context_parallel_loss(gpt: GPT, tokens, targets, env):
+def torch_context_parallel_loss(gpt: GPT, tokens, targets, env, backward: bool = False):
     """PyTorch's context parallelism: ``context_parallel`` shards the listed buffers along the sequence in place
     (head-tail, its zig-zag, when the length divides by 2N) and swaps ``F.scaled_dot_product_attention`` for its
-    ring version inside the block. The attention must therefore call SDPA: this GPT's ``attend`` does not, so
-    ``sdpa_forward`` runs the same weights through it."""
+    context-parallel version inside the block. Its default all-gathers the keys and values (in forward, and again
+    in backward); their gradients still pass rank to rank around a ring. The attention must therefore call SDPA:
+    this GPT's ``attend`` does not, so ``sdpa_forward`` runs the same weights through it.
+
+    ``backward``: run ``loss.backward()`` inside the block. It must: on exit ``context_parallel`` removes its SDPA
+    handler and puts the buffers back, and SDPA's backward would then run without it, over the whole
+    permuted sequence. Returns the loss, detached."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
@@ -151,9 +156,12 @@ def torch_context_parallel_loss(gpt: GPT, tokens, targets, env):
     tokens, targets = tokens.clone(), targets.clone()
     with context_parallel(mesh, buffers=[tokens, targets, positions], buffer_seq_dims=[1, 1, 1]):
         logits = sdpa_forward(gpt, tokens, positions)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / (
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / (
             targets.numel() * env.world_size
         )
+        if backward:
+            loss.backward()
+    return loss.detach()
 
 
 def sdpa_forward(gpt: GPT, tokens, positions):

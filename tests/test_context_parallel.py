@@ -108,6 +108,7 @@ def test_the_ring_posts_the_messages_and_bytes_of_the_formula(results):
                 forward, backward = formula["forward sends"], formula["backward sends"]
                 assert check["forward"] == (forward, forward, forward * formula["message bytes"]), name
                 assert check["backward"] == (backward, backward, backward * formula["message bytes"]), name
+                assert check["grouped"] == 2 * (forward + backward), f"{name}: send and receive in one group (NCCL)"
             elif name == "bad length":
                 assert "does not divide into" in check and "no message" in check
             elif name.startswith("all-gather"):

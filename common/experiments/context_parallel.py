@@ -70,6 +70,7 @@ def attention_checks(env, batch: int = 2, heads: int = 2, seq: int = 16, head_di
                     "difference": max((a - mine(b)).abs().max().item() for a, b in zip(got, expected)),
                     "forward": (forward.sends, forward.receives, forward.bytes_sent),
                     "backward": (backward.sends, backward.receives, backward.bytes_sent),
+                    "grouped": forward.grouped + backward.grouped,  # posted in batch_isend_irecv groups
                 }
     results["formula"] = ring_messages(batch, heads, seq, head_dim, env.world_size, 8)
     odd = q[..., : 2 * env.world_size - 1, :]  # 2N - 1 tokens per rank: N (2N - 1) does not divide into 2N chunks

@@ -21,27 +21,30 @@ def printed_by_cell(cell_id: str) -> str:
 
 def online_softmax(path: Path) -> None:
     """One row of queries, three key blocks: each block gives an output and a log-sum-exp; merge folds them in."""
-    fig, axes = canvas(9.6, 3.6, xlim=10.8, ylim=4.4)
-    box(axes, 0.2, 3.3, 1.6, 0.7, "queries Q\n(this rank)", RANK_COLOURS[0], fontsize=9, color="white")
+    fig, axes = canvas(9.6, 4.4, xlim=10.8, ylim=5.0)
+    axes.set_ylim(-0.9, 5.0)  # room for the merge's formula below the row
+    box(axes, 0.2, 3.3, 1.6, 0.7, "queries Q", RANK_COLOURS[0], fontsize=9, color="white")
     for index in range(3):
         x = 3.4 + 2.5 * index
+        arrow(axes, (1.8, 3.5), (x, 2.5))  # the queries meet every block
         box(axes, x, 3.3, 1.9, 0.7, f"keys, values\nblock {index + 1}", tint(RANK_COLOURS[index + 1], 0.3), fontsize=9)
         box(axes, x, 1.9, 1.9, 0.8, f"out{index + 1}, lse{index + 1}\nfrom exp(QK^T/sqrt d)", COMPUTE, fontsize=8)
         arrow(axes, (x + 0.95, 3.3), (x + 0.95, 2.7))
-        box(axes, x, 0.4, 1.9, 0.8, "merge" if index else "start", MEMORY, fontsize=9)
+        box(axes, x, 0.4, 1.9, 0.8, "merge" if index else "first block:\nout, lse as they are", MEMORY, fontsize=8)
         arrow(axes, (x + 0.95, 1.9), (x + 0.95, 1.2))
         if index:
             arrow(axes, (x - 0.6, 0.8), (x, 0.8))
-            axes.text(x - 0.3, 1.0, "out, lse", ha="center", fontsize=7)
+            axes.text(x - 0.3, 1.3, "out,\nlse", ha="center", fontsize=7)
     axes.text(
         0.1,
-        0.9,
-        "lse = log(exp(lse) + exp(lse_block))\nout = exp(lse_old - lse) out\n      + exp(lse_block - lse) out_block",
-        fontsize=7,
+        -0.35,
+        "merge:  new_lse = log(exp(lse) + exp(lse_block))\n"
+        "        out     = exp(lse - new_lse) out + exp(lse_block - new_lse) out_block",
+        fontsize=8,
         family="monospace",
         va="center",
     )
-    axes.text(5.4, 4.3, "Blockwise attention: the keys come one block at a time, the result is exact", ha="center")
+    axes.text(5.4, 4.6, "Blockwise attention: the keys come one block at a time, the result is exact", ha="center")
     save(fig, path)
 
 
@@ -86,13 +89,13 @@ def overlap(path: Path) -> None:
     axes.text(0.1, 1.45, "network", va="center", fontsize=9)
     for step in range(4):
         x = 1.4 + step * 2.1
-        box(axes, x, 2.15, 1.5, 0.6, f"block {step}", COMPUTE, fontsize=8)
+        box(axes, x, 2.15, 1.5, 0.6, f"step {step}'s block", COMPUTE, fontsize=8)
         if step < 3:
             box(axes, x, 1.15, 1.9, 0.6, f"receive {step + 1}", COMMUNICATE, fontsize=8)
             box(axes, x + 1.5, 2.15, 0.4, 0.6, "wait", IDLE, fontsize=7)
     axes.text(
         5, 0.5,
-        "a step takes max(compute one block, send one block): the network hides when it is the shorter",
+        "here the network is the longer, so compute waits: a step takes max(compute one block, send one block)",
         ha="center", fontsize=9,
     )  # fmt: skip
     save(fig, path)
@@ -139,10 +142,12 @@ def ring_or_all_gather(path: Path) -> None:
     axes.text(0.1, 1.1, "all-gather\n(Llama 3)", va="center", fontsize=10)
     box(axes, 1.8, 2.3, 1.1, 0.6, "KV held", tint(RANK_COLOURS[1], 0.3), fontsize=8)
     box(axes, 3.0, 2.3, 1.1, 0.6, "KV arriving", tint(RANK_COLOURS[2], 0.3), fontsize=8)
-    axes.text(4.4, 2.6, "2 blocks at any N; N - 1 messages, then N - 1 + N in backward", va="center", fontsize=8)
+    axes.text(4.4, 2.6, "2 blocks at any N (4 in backward);\nN - 1 messages, then N - 1 + N in backward", va="center",
+              fontsize=8)  # fmt: skip
     for rank in range(4):
         box(axes, 1.8 + rank * 1.2, 0.8, 1.1, 0.6, f"KV{rank}", tint(RANK_COLOURS[rank], 0.3), fontsize=8)
-    axes.text(6.6, 1.1, "N blocks at once; one all-gather,\none reduce-scatter in backward", va="center", fontsize=8)
+    note = "N blocks at once (2N in backward); one\nall-gather, one reduce-scatter in backward"
+    axes.text(6.6, 1.1, note, va="center", fontsize=8)
     axes.text(5, 3.4, "Keys and values one rank holds during attention", ha="center", fontsize=11)
     save(fig, path)
 

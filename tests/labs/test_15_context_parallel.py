@@ -1,4 +1,4 @@
-"""Lab 15: the online-softmax merge, and the ring's order of messages.
+"""Lab 15: the online-softmax merge, and the ring's direction of messages.
 
 Runs against solutions/15_context_parallel.py; with LAB_TARGET=labs, against your labs/15_context_parallel.py:
 
@@ -10,6 +10,9 @@ and the previous one are the same rank, and a ring in the wrong direction would 
 against SDPA, causal, in the zig-zag layout, and your ``ContextParallelGPT`` against the whole GPT. The script's
 own training runs in tests/test_documented_commands.py (its first command, for 2 batches).
 """
+
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +29,16 @@ from tests.labs import load_lab
 LAB = "15_context_parallel"
 # What these tests call in the script: the functions and classes of common.context_parallel that the lab defines,
 # with the same signatures; parse_args(argv) and train(args, env), the script's own run.
-NEEDS = ("merge", "pass_along", "BlockwiseAttention", "RingAttention", "ContextParallelGPT", "parse_args", "train")
+NEEDS = (
+    "merge",
+    "pass_along",
+    "BlockwiseAttention",
+    "RingAttention",
+    "ContextParallelGPT",
+    "parse_args",
+    "train",
+    "torch_context_parallel_loss",
+)
 CONFIG = dict(context=24, d_model=16, num_heads=2, num_layers=2, dropout=0.0)
 
 
@@ -41,6 +53,32 @@ def test_your_merge_makes_blockwise_attention_equal_sdpa_forward_and_every_gradi
     torch.testing.assert_close(got, expected, msg="the merged output must equal attention over all the keys")
     for a, b in zip(torch.autograd.grad(got, blocks, grad), torch.autograd.grad(expected, whole, grad)):
         torch.testing.assert_close(a, b)
+
+
+def test_pytorchs_context_parallel_runs_backward_inside_its_context(monkeypatch):
+    """On exit ``context_parallel`` removes its SDPA handler, so the script's ``--method torch`` must run backward
+    inside the block. It needs 2 GPUs, so here a stand-in block records whether it is open when gradients arrive."""
+    lab = load_lab(LAB, NEEDS)
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.tensor.experimental as experimental
+
+    block = {"open": False}
+
+    @contextmanager
+    def stand_in(mesh, buffers, buffer_seq_dims):
+        block["open"] = True
+        yield
+        block["open"] = False
+
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda *args, **kwargs: None)
+    monkeypatch.setattr(experimental, "context_parallel", stand_in)
+    gpt = build_gpt(CONFIG)
+    tokens, targets = token_batch(CONFIG, 2)
+    open_at_backward = []
+    gpt.head.weight.register_hook(lambda grad: open_at_backward.append(block["open"]))
+    loss = lab.torch_context_parallel_loss(gpt, tokens, targets, SimpleNamespace(world_size=1), backward=True)
+    assert open_at_backward == [True], "backward ran after context_parallel had removed its handler"
+    assert not loss.requires_grad
 
 
 def lab_checks(env):
