@@ -9,6 +9,7 @@ import functools
 import json
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -181,6 +182,7 @@ def test_clipping_after_unscale_bounds_the_true_gradient_and_matches_the_fp32_cl
         assert relative_distance(update, [w - b for w, b in zip(wrong, rank["before"])]) > 0.99
 
 
+@pytest.mark.slow  # two trainings of 20-30 s on 2 cores: make test-slow and CI run it
 def test_bf16_on_digits_reaches_the_accuracy_of_fp32_within_the_margin(tmp_path):
     accuracy = {}
     for precision in ("fp32", "bf16"):

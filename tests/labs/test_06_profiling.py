@@ -96,6 +96,7 @@ def loader_run(tmp_path, *loader_options):
     return json.loads(metrics.read_text())["profile"]
 
 
+@pytest.mark.slow  # two profiled runs, 15-23 s on 2 cores: make test-slow and CI run it
 @pytest.mark.timeout(400)
 def test_the_analysis_names_the_starving_loader_and_not_the_fixed_one(tmp_path):
     starving = loader_run(tmp_path, "--num-workers", "0")  # the docstring's commands, for 6 batches
