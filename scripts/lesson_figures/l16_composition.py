@@ -34,10 +34,11 @@ def mesh_order(path: Path) -> None:
                 box(axes, x0 + tp * 2.3, 7.0 - dp * 1.4, 2.1, 1.1, f"rank {rank}\ndp {dp}, tp {tp}",
                     tint(RANK_COLOURS[rank], 0.45), 8)  # fmt: skip
     axes.text(5.4, 4.2, "tp innermost: neighbouring ranks, one node's fast links\n"
-              "pp outermost: only point-to-point sends cross the slow links", ha="center", fontsize=8.5)  # fmt: skip
+              "the outer dims (dp, pp) cross nodes once they span more than one",
+              ha="center", fontsize=8.5)  # fmt: skip
     steps = [
         ("1. pipeline_split", "rank 0 keeps blocks 0-1\n(half the blocks)", COMPUTE),
-        ("2. apply_tensor_parallel", "each weight cut in 2 over tp:\nDTensors on the tp dim", COMMUNICATE),
+        ("2. apply_tensor_parallel", "linear, embedding weights cut\nin 2 over tp, norms copied", COMMUNICATE),
         ("3. apply_fsdp", "each DTensor cut again over dp:\n2-D DTensors, a quarter of a stage", MEMORY),
     ]
     for index, (name, held, colour) in enumerate(steps):
@@ -69,9 +70,10 @@ def losses(path: Path) -> None:
         if index:
             gaps = [abs(a - b) for a, b in zip(values, control)]
             right.semilogy(steps, [max(gap, 1e-9) for gap in gaps], marker="x", label=label, color=RANK_COLOURS[index])
+    right.set_yticks([1e-9, 1e-7, 1e-6, 1e-5], ["printed equal", "1e-7", "1e-6", "1e-5"])
     left.set(xlabel="step", ylabel="loss over the global batch (nats)", title="Losses per step, fp32, AdamW")
     left.legend(fontsize=8)
-    right.set(xlabel="step", ylabel="|loss - control's loss|", title="Gap to the control (1e-9: printed equal)")
+    right.set(xlabel="step", ylabel="|loss - control's loss|", title="Gap to the control (6 printed decimals)")
     right.legend(fontsize=8)
     fig.tight_layout()
     save(fig, path)
