@@ -13,10 +13,11 @@ one function here, in the order torchtitan's ``pipeline_llama`` and ``paralleliz
 ``parallelize`` does the three in that order. Why this order: the pipeline cut comes first because each stage is a
 model of its own, which the other two then transform. Tensor parallelism comes before FSDP because FSDP shards
 whatever parameters it finds: after tensor parallelism they are DTensors on the ``tp`` dim, and FSDP cuts them
-again along the ``dp`` dim, giving 2-D DTensors. The other way round, tensor parallelism would find FSDP's
-shards and not the weights its plan names. The ``tp`` dim is innermost (neighbouring ranks): its collectives run
-in every block, so on a real cluster they stay inside a node's fast links; the pipeline's point-to-point messages
-cross the slowest links.
+again along the ``dp`` dim (norms and row-wise biases are ``Replicate`` on ``tp``; HSDP adds ``Replicate`` on
+``dp_replicate``). The other way round, tensor parallelism would find FSDP's shards and not the weights its plan
+names. The ``tp`` dim is innermost (neighbouring ranks): its collectives run in every block, so on a real cluster
+they stay inside a node's fast links. The outer dims (``dp``, then ``pp``, torchtitan's order) cross nodes once
+their groups span more than one node; Llama 3 put ``dp`` outermost instead.
 
 Context parallelism (lesson 14, ``common.context_parallel``) is not applied here yet. In torchtitan it is not a
 change to the model: a ``cp`` dim sits between ``dp`` and ``tp``, each batch's sequence is cut over it inside a

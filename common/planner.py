@@ -426,6 +426,8 @@ def predict_step_time(model: Model, cluster: Cluster, training: Training, config
     kv_bytes = 2 * b * s * model.kv_dim * value / config.tp  # this rank's keys and values, its heads
     context = layers * 3 * (config.cp - 1) * (alpha + beta * kv_bytes) if config.cp > 1 else 0.0
 
+    # pp is outermost, so the pp group spans every device: on several nodes some stage boundary crosses nodes, and
+    # a micro-batch passes every boundary, so the slowest hop (inter-node) sets each slot's p2p cost
     alpha, beta, _ = link(cluster, config, ("pp",))
     p2p = 2 * (alpha + beta * b * s * model.hidden * value / config.tp) if p > 1 else 0.0
 

@@ -22,6 +22,7 @@ SLOW_NOTEBOOKS = {
     # 26-47 s quick on 2 cores under load 6-8 (2026-11-27): two short trainings, a plot each, a spawn of 2 ranks
     "15_mixture_of_experts.ipynb",
     "14_context_parallelism.ipynb",  # 80 s quick: five process groups, of 2 and 4 ranks
+    "16_composition.ipynb",  # 29 s quick under load 3: two torchrun launches of 4 processes
 }
 
 

@@ -227,6 +227,11 @@ NOT_RUN = {
     "--d-model 512 --heads 8 --layers 8 --context 512 --batch-size 8":
         "written for a machine with 8 GPUs (NCCL); its CPU twins on 2 and 4 processes run here, and "
         "tests/test_moe.py checks the layer on 2 and 4 ranks",
+    ".venv/bin/python -m pytest tests/test_parallelize.py tests/test_planner.py tests/labs/test_17_composition.py":
+        "test files of this suite, which the suite runs itself",
+    "LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_17_composition.py":
+        "a starter fails its lab tests until the reader finishes it; "
+        "tests/test_labs.py::test_the_starter_still_fails_its_lab_tests checks that it does",
     "torchrun --standalone --nproc_per_node=8 solutions/17_composition.py --pp 2 --dp 2 --tp 2 "
     "--d-model 512 --heads 8 --layers 8 --context 512 --batch-size 32 --steps 50":
         "written for a machine with 8 GPUs (NCCL); tests/test_parallelize.py runs the same mesh on 8 CPU processes",

@@ -1,0 +1,166 @@
+"""Lesson 16's pictures: the mesh and the order in which the functions apply it; and four measured plots: the N-D
+runs' losses against the 1-D FSDP control (results/), the planner's predicted against measured step time and memory,
+the memory by part (results/.../planner_check.json), and the Llama 3 405B plan against the published degrees."""
+
+import json
+import re
+from pathlib import Path
+
+from .draw import COMMUNICATE, COMPUTE, IDLE, MEMORY, RANK_COLOURS, RESULTS, arrow, box, canvas, plt, save, tint
+
+RUNS = {  # solution 17, 4 processes, 10 steps each: the control and two N-D meshes (scripts/provenance.py record)
+    "control: 1-D FSDP over 4": RESULTS / "16_composition_control.txt",
+    "dp 2 x tp 2": RESULTS / "16_composition_dp2_tp2.txt",
+    "pp 2 x tp 2, 4 micro-batches": RESULTS / "16_composition_pp2_tp2.txt",
+}
+CHECK = RESULTS / "planner_check.json"
+PLAN_405B = RESULTS / "plan_llama3_405b_h100x16k.txt"
+PARTS = ("parameters", "gradients", "optimizer", "activations")
+PART_COLOURS = (RANK_COLOURS[0], RANK_COLOURS[1], RANK_COLOURS[2], MEMORY)
+
+
+def mesh_order(path: Path) -> None:
+    """8 ranks on a pp 2 x dp 2 x tp 2 mesh, and what each function leaves on rank 0: its stage, its tp half, its
+    dp shard of that half."""
+    fig, axes = canvas(11, 5.2, xlim=22, ylim=10.4)
+    axes.text(11, 10.0, "A GPT on a pp 2 x dp 2 x tp 2 mesh: 8 ranks, three functions in order", ha="center",
+              fontsize=12, weight="bold")  # fmt: skip
+    for stage in range(2):
+        x0 = 0.4 + stage * 5.2
+        axes.text(x0 + 2.3, 8.9, f"pp stage {stage}: blocks {2 * stage}-{2 * stage + 1}", ha="center", fontsize=9)
+        for dp in range(2):
+            for tp in range(2):
+                rank = stage * 4 + dp * 2 + tp
+                box(axes, x0 + tp * 2.3, 7.0 - dp * 1.4, 2.1, 1.1, f"rank {rank}\ndp {dp}, tp {tp}",
+                    tint(RANK_COLOURS[rank], 0.45), 8)  # fmt: skip
+    axes.text(5.4, 4.2, "tp innermost: neighbouring ranks, one node's fast links\n"
+              "the outer dims (dp, pp) cross nodes once they span more than one",
+              ha="center", fontsize=8.5)  # fmt: skip
+    steps = [
+        ("1. pipeline_split", "rank 0 keeps blocks 0-1\n(half the blocks)", COMPUTE),
+        ("2. apply_tensor_parallel", "linear, embedding weights cut\nin 2 over tp, norms copied", COMMUNICATE),
+        ("3. apply_fsdp", "each DTensor cut again over dp:\n2-D DTensors, a quarter of a stage", MEMORY),
+    ]
+    for index, (name, held, colour) in enumerate(steps):
+        y = 8.0 - index * 2.4
+        box(axes, 11.4, y, 4.4, 1.4, name, colour, 9)
+        axes.text(16.1, y + 0.7, held, va="center", fontsize=8.5)
+        if index:
+            arrow(axes, (13.5, y + 2.4), (13.5, y + 1.4))
+    box(axes, 11.4, 0.6, 4.4, 1.2, "then the optimizer:\nit sees the final shards", IDLE, 8.5)
+    arrow(axes, (13.5, 3.2), (13.5, 1.8))
+    axes.text(5.4, 2.3, "Context parallelism is not in this composition.\nIt would add a cp dim between dp and tp.",
+              ha="center", fontsize=8.5, style="italic")  # fmt: skip
+    save(fig, path)
+
+
+def losses_of(result: Path) -> list[float]:
+    return [float(value) for value in re.findall(r"^step \d+/\d+: loss (\d+\.\d+)", result.read_text(), re.M)]
+
+
+def losses(path: Path) -> None:
+    """The losses per step of the control and the N-D runs, and each run's gap to the control."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    control = losses_of(next(iter(RUNS.values())))
+    for index, (label, result) in enumerate(RUNS.items()):
+        values = losses_of(result)
+        steps = range(1, len(values) + 1)
+        left.plot(steps, values, marker="o" if index == 0 else "x", ms=8 - 2 * index, label=label,
+                  color=RANK_COLOURS[index])  # fmt: skip
+        if index:
+            gaps = [abs(a - b) for a, b in zip(values, control)]
+            right.semilogy(steps, [max(gap, 1e-9) for gap in gaps], marker="x", label=label, color=RANK_COLOURS[index])
+    right.set_yticks([1e-9, 1e-7, 1e-6, 1e-5], ["printed equal", "1e-7", "1e-6", "1e-5"])
+    left.set(xlabel="step", ylabel="loss over the global batch (nats)", title="Losses per step, fp32, AdamW")
+    left.legend(fontsize=8)
+    right.set(xlabel="step", ylabel="|loss - control's loss|", title="Gap to the control (6 printed decimals)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    save(fig, path)
+
+
+def planner_check(path: Path) -> None:
+    """Predicted against measured: step time and peak memory per configuration, the error over each pair."""
+    rows = json.loads(CHECK.read_text())["rows"]
+    names = [row["config"] for row in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    positions = range(len(rows))
+    for axes, key, unit, scale in ((left, "seconds", "ms", 1e3), (right, "bytes", "MiB", 1 / 2**20)):
+        predicted = [row[f"predicted_{key}"] * scale for row in rows]
+        measured = [row[f"measured_{key}"] * scale for row in rows]
+        axes.bar([p - 0.2 for p in positions], predicted, 0.4, label="predicted", color=COMPUTE, ec="black")
+        axes.bar([p + 0.2 for p in positions], measured, 0.4, label="measured", color=COMMUNICATE, ec="black")
+        errors = [row["time_error" if key == "seconds" else "memory_error"] for row in rows]
+        for p, error, top in zip(positions, errors, map(max, predicted, measured)):
+            axes.text(p, top * 1.02, f"{error:+.0%}", ha="center", fontsize=8, color="red" * (abs(error) > 0.25)
+                      or "black")  # fmt: skip
+        axes.set_xticks(list(positions), names, rotation=30, fontsize=8)
+        axes.set_ylabel(unit)
+        axes.set_ylim(0, max(max(predicted), max(measured)) * 1.25)
+        axes.legend(fontsize=8, ncols=2)
+    left.set_title("Step time: predicted vs measured (red: off by over 25%)")
+    right.set_title("Memory of the fullest rank: predicted vs measured")
+    fig.tight_layout()
+    save(fig, path)
+
+
+def memory_parts(path: Path) -> None:
+    """The four parts of each configuration's memory, predicted (left bar) and measured (right bar)."""
+    rows = json.loads(CHECK.read_text())["rows"]
+    fig, axes = plt.subplots(figsize=(11, 4.2))
+    for index, row in enumerate(rows):
+        for offset, side in ((-0.2, "predicted_memory"), (0.2, "measured_memory")):
+            bottom = 0.0
+            for part, colour in zip(PARTS, PART_COLOURS):
+                value = row[side][part] / 2**20
+                axes.bar(index + offset, value, 0.38, bottom=bottom, color=colour, ec="black",
+                         hatch="//" if side == "measured_memory" else None,
+                         label=part if index == 0 and side == "predicted_memory" else None)  # fmt: skip
+                bottom += value
+    axes.set_xticks(range(len(rows)), [row["config"] for row in rows], fontsize=8)
+    axes.set(ylabel="MiB on the fullest rank", title="Memory by part: predicted (plain) and measured (hatched)")
+    axes.set_ylim(0, 20)
+    axes.legend(fontsize=8, ncols=4, loc="upper left")
+    fig.tight_layout()
+    save(fig, path)
+
+
+def llama_plan(path: Path) -> None:
+    """Llama 3 405B on 16,384 H100s: the degrees of the planner's first choice beside the published ones, and the
+    predicted MFU of each beside the reported 41%."""
+    text = PLAN_405B.read_text()
+    first = re.search(r"^\s+1\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s.*?(\d+\.\d+)%$", text, re.M)
+    published = re.search(r"^\s*\d+\s+128\s+8\s+16\s+1\s.*full.*?(\d+\.\d+)%$", text, re.M)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": (3, 2)})
+    dims = ("dp", "tp", "pp", "cp")
+    planner = [int(value) for value in first.groups()[:4]]
+    team = [128, 8, 16, 1]
+    positions = range(len(dims))
+    left.bar([p - 0.2 for p in positions], planner, 0.4, label="planner's first choice", color=COMPUTE, ec="black")
+    left.bar([p + 0.2 for p in positions], team, 0.4, label="Llama 3's team (Dubey et al. 2024)", color=COMMUNICATE,
+             ec="black")  # fmt: skip
+    for p, a, b in zip(positions, planner, team):
+        left.text(p - 0.2, a * 1.1, str(a), ha="center", fontsize=8)
+        left.text(p + 0.2, b * 1.1, str(b), ha="center", fontsize=8)
+    left.set_yscale("log")
+    left.set_xticks(list(positions), dims)
+    left.set(ylabel="degree", title="Llama 3 405B, 16,384 H100s: the degrees")
+    left.legend(fontsize=8)
+    mfu = [float(first.group(5)), float(published.group(1)), 41.0]
+    labels = ["planner's\nfirst choice", "published degrees,\nas predicted", "published,\nmeasured"]
+    right.bar(range(3), mfu, color=(COMPUTE, tint(COMMUNICATE), COMMUNICATE), ec="black")
+    for index, value in enumerate(mfu):
+        right.text(index, value + 1, f"{value:.1f}%", ha="center", fontsize=8)
+    right.set_xticks(range(3), labels, fontsize=8)
+    right.set(ylabel="MFU (%)", title="Model FLOPs utilization")
+    fig.tight_layout()
+    save(fig, path)
+
+
+FIGURES = {
+    "16_mesh_order": (mesh_order, None),
+    "16_losses_against_control": (losses, RESULTS / "16_composition_control.txt"),
+    "16_planner_check": (planner_check, CHECK),
+    "16_memory_parts": (memory_parts, CHECK),
+    "16_llama3_plan": (llama_plan, PLAN_405B),
+}
