@@ -165,10 +165,9 @@ def test_dispatch_and_combine_are_inverse_and_equal_torchs_all_to_all(world):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [4], indirect=True, ids=["world4"])  # a 2 x 2 mesh needs 4 ranks
 def test_expert_and_data_parallel_on_a_2_by_2_mesh_give_the_whole_models_gradients(world):
     world_size, results = world
-    if world_size != 4:
-        pytest.skip("the 2 x 2 mesh needs 4 ranks")
     coordinates = set()
     for _, mesh in results:
         coordinates.add(tuple(mesh["coordinate"]))
