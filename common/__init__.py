@@ -5,7 +5,7 @@ What every script uses:
 - ``common.distributed``: process-group set-up and teardown, ``is_main``/``print0``, ``set_seed``, reductions.
 - ``common.launch``: scripts under ``torchrun`` (``torchrun_command``, ``launch``), and a function on N local
   processes whose results come back (``run_on_ranks``: tests, notebooks).
-- ``common.cli``: argument types shared by the scripts.
+- ``common.cli``: argument types shared by the scripts, and the line of options a solution prints first.
 - ``common.data``: data sets by name (``digits`` works offline) and loaders sharded over ranks.
 - ``common.models``: ``LeNet``, ``SimpleCNN`` and ``DeepMLP`` (the sharding lessons' model).
 - ``common.gpt``: a small GPT for lessons 13-16, built from lesson 12's transformer layer: its next-token loss and

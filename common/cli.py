@@ -11,6 +11,12 @@ def argument_parser(description: str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
+def options_line(args: argparse.Namespace) -> str:
+    """Every option as it was given or defaulted, as one command-line fragment (``--batch-size=32 --seed=0``): the
+    first line a solution prints, so that a log says which run wrote it."""
+    return " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items())
+
+
 def positive_int(text: str) -> int:
     """An ``int`` of at least 1 (batch sizes, epochs)."""
     value = int(text)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.cli import positive_float
+from common.cli import options_line, positive_float
 from common.collectives import AllReduceCounter, count_collectives
 from common.ddp_by_hand import NaiveDDP
 
@@ -246,7 +246,7 @@ def wrap(model, args, env):
 
 
 def train(args, env):
-    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    print0(f"{env.summary} | {options_line(args)}")
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)
     set_seed(args.seed)

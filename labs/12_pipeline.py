@@ -39,7 +39,7 @@ torch.distributed.pipelining's ``Schedule1F1B`` does). Rather than risk a hang, 
 import torch
 import torch.distributed as dist
 
-from common.cli import positive_int
+from common.cli import options_line, positive_int
 from common.data import FirstBatches, load_data, make_loader
 from common.distributed import ConfigurationError, print0, process_group, set_seed
 from common.metrics import evaluate
@@ -94,7 +94,7 @@ def main(args):
 
 
 def train(args, env):
-    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    print0(f"{env.summary} | {options_line(args)}")
     if args.model != "mlp":
         raise ConfigurationError("error: the pipeline cuts DeepMLP into stages: use --model mlp")
     if args.schedule == "1f1b" and env.backend == "nccl" and env.world_size > 1:

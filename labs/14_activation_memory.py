@@ -61,7 +61,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.activations import HeldMemory
 from common.checkpoint import unwrap
-from common.cli import argument_parser, positive_float, positive_int
+from common.cli import argument_parser, options_line, positive_float, positive_int
 from common.collectives import count_collectives
 from common.data import FirstBatches, make_loader
 from common.distributed import BACKENDS, ConfigurationError, print0, process_group, replicas_in_sync, set_seed
@@ -289,7 +289,7 @@ def main(args):
 
 
 def train(args, env):
-    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    print0(f"{env.summary} | {options_line(args)}")
     split = args.parallel != "data"
     if split and args.context % env.world_size:
         raise ConfigurationError(f"error: --context {args.context} does not divide by the {env.world_size} ranks")

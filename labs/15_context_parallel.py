@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common.cli import argument_parser, positive_float, positive_int
+from common.cli import argument_parser, options_line, positive_float, positive_int
 from common.collectives import count_collectives, count_messages
 from common.context_parallel import LAYOUTS, METHODS, shard_pieces
 from common.data import FirstBatches, make_loader
@@ -265,7 +265,7 @@ def main(args):
 
 
 def train(args, env):
-    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    print0(f"{env.summary} | {options_line(args)}")
     try:  # a context the layout cannot cut fails here, before any text is read or message sent
         shard_pieces(args.context, env.rank, env.world_size, args.layout)
     except ValueError as error:

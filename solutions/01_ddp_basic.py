@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import load_checkpoint, save_checkpoint
+from common.cli import options_line
 from common.distributed import ConfigurationError, print0, process_group, set_seed
 from common.models import MODELS
 from common.training import TrainingHistory, finish_run, make_loaders, progress_bar, training_arguments
@@ -48,7 +49,7 @@ def main(args):
 
 
 def train(args, env):
-    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    print0(f"{env.summary} | {options_line(args)}")
     # Data: every rank builds the same data set; each sampler hands its rank a disjoint shard.
     model_class = MODELS[args.model]
     data, train_iter, test_iter = make_loaders(args, env, model_class)

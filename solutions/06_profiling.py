@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.cli import non_negative_float, non_negative_int, positive_float, positive_int
+from common.cli import non_negative_float, non_negative_int, options_line, positive_float, positive_int
 from common.data import FirstBatches, load_data, make_loader
 from common.data_loading import image_folder_splits
 from common.ddp_by_hand import assign_buckets
@@ -109,7 +109,7 @@ def make_data(args, env, model_class):
 
 
 def train(args, env):
-    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    print0(f"{env.summary} | {options_line(args)}")
     if args.memory_snapshot and env.device.type != "cuda":
         raise ConfigurationError("error: --memory-snapshot records CUDA allocations: it needs a GPU per process")
     log_dir = check_log_dir(args.tensorboard) if args.tensorboard else None

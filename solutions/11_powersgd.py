@@ -42,7 +42,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import atomic_write, load_checkpoint, save_checkpoint
-from common.cli import non_negative_float, positive_int
+from common.cli import non_negative_float, options_line, positive_int
 from common.collectives import count_collectives
 from common.compression import PowerSGDByHand, allreduce_hook_by_hand, bf16_compress_hook_by_hand
 
@@ -112,7 +112,7 @@ def register_hook(net: DDP, args):
 
 
 def train(args, env):
-    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    print0(f"{env.summary} | {options_line(args)}")
     if (args.error_feedback or args.warm_start) and args.start_iter < 2 and "powersgd" in args.hook:
         raise ConfigurationError("error: --start-iter must be at least 2 with error feedback or warm start")
     if args.checkpoint_dir and args.hook == "torch-powersgd":

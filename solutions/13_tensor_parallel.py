@@ -47,7 +47,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import unwrap
-from common.cli import positive_int
+from common.cli import options_line, positive_int
 from common.collectives import count_collectives
 from common.data import FirstBatches, load_data, make_loader
 from common.distributed import ConfigurationError, print0, process_group, set_seed
@@ -143,7 +143,7 @@ def main(args):
 
 
 def train(args, env):
-    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    print0(f"{env.summary} | {options_line(args)}")
     if args.model != "row-transformer":
         raise ConfigurationError("error: this script builds its own model (rows of an image as tokens): no --model")
     replicas = args.data_parallel

@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common.cli import argument_parser, positive_float, positive_int
+from common.cli import argument_parser, options_line, positive_float, positive_int
 from common.collectives import count_collectives
 from common.data import FirstBatches, make_loader
 from common.distributed import BACKENDS, ConfigurationError, print0, process_group, set_seed
@@ -92,7 +92,7 @@ def main(args):
 
 
 def train(args, env):
-    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    print0(f"{env.summary} | {options_line(args)}")
     ep = args.ep or env.world_size
     if env.world_size % ep or args.experts % ep:
         raise ConfigurationError(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common import metrics
-from common.cli import non_negative_int, positive_float, positive_int
+from common.cli import non_negative_int, options_line, positive_float, positive_int
 from common.distributed import DistEnv
 from common.metrics import run_summary, write_json
 
@@ -25,6 +25,11 @@ def test_number_types_accept_good_values_and_explain_bad_ones():
 
 
 ENV = DistEnv(rank=0, local_rank=0, world_size=2, backend="gloo", device=torch.device("cpu"))
+
+
+def test_the_options_line_names_every_option_as_typed_on_the_command_line():
+    args = argparse.Namespace(batch_size=32, text=None, backend="auto")
+    assert options_line(args) == "--batch-size=32 --text=None --backend=auto"
 
 
 def test_run_summary_reports_the_last_epoch_and_overall_throughput():
