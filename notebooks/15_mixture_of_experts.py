@@ -49,7 +49,7 @@ else:
 NUM_EXPERTS, TOP_K = 4, 1  # Switch's routing: one expert per token
 BATCH = 4 if QUICK else 16  # sequences per step
 STEPS = 5 if QUICK else 200  # training steps of each run in section 2
-ALPHAS = [0.0, 0.01]  # the balancing loss's weight: none, and Switch's
+ALPHAS = [0.0, 0.01]  # the balancing loss's weight on the layers' mean: none, and 0.01
 FACTORS = [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]  # capacity factors of section 3
 VARIANTS = [(4, 1), (8, 1), (4, 2)]  # (experts, top-k) timed in section 4
 REPEATS = 2 if QUICK else 20  # timed steps of each (the first two left out)
@@ -100,8 +100,8 @@ for top_k, factor in [(1, None), (2, None), (2, 0.75)]:
 # ## 2. Tokens per expert over training
 #
 # The same GPT, trained twice on the text: without the balancing loss, and with a weight of 0.01. That weight
-# multiplies the mean of the 2 layers' balancing losses: 0.005 per layer, half of Switch's 0.01 per layer (the
-# comment "Switch's" in the parameters cell predates this). Each step records how many tokens of the batch the
+# multiplies the mean of the 2 layers' balancing losses: 0.005 per layer, half of Switch's 0.01 per layer.
+# Each step records how many tokens of the batch the
 # first layer's router sent to each expert.
 
 # %%
