@@ -1,8 +1,8 @@
 """The GPT on an N-D mesh (common.parallelize, solutions/17_composition.py) trains the same model as 1-D FSDP.
 
 torchtitan's "converging" check: the control is the solution with --control (FSDP2 over every process), the test
-the same command on a mesh of pipeline x data x tensor ranks (the data ranks FSDP, or HSDP: replicas of FSDP
-groups). Same text, seed, global batch and batch order; after
+the same command on a mesh of pipeline x data x context x tensor ranks (the data ranks FSDP, or HSDP: replicas of
+FSDP groups; FSDP over the data and context ranks together). Same text, seed, global batch and batch order; after
 a few steps the losses per step and the final parameters, gathered whole, must agree:
 
 - in float64 with plain SGD, to 1e-12 (rounding alone; measured: 2e-15). SGD, because AdamW divides by the
@@ -11,12 +11,13 @@ a few steps the losses per step and the final parameters, gathered whole, must a
 - in float32 with AdamW, the reader's default run, within ``FLOAT32_TOLERANCE``: the losses to 1e-5, the
   parameters to 1e-3, a third of one step. AdamW's first steps move every weight by about the learning rate
   (3e-3) whatever the size of its gradient, and where its running averages nearly cancel, rounding shows:
-  measured after 3 steps, 4.8e-7 for the losses and 7.4e-5 for the parameters.
+  measured after 3 steps, up to 4.8e-7 for the losses and 1.4e-4 for the parameters (cp2 x tp2).
 
 Each ``run_on_ranks`` runs the control and the meshes one after the other in one process group (start-up is most
-of the time on 2 cores). ``make test`` runs one 4-process case, the lab's (tests/labs/test_17_composition.py: 2
-stages x 2 tensor ranks in float64). Here every mesh of 4 processes in float64 and in float32, and 8 processes
-(2 x 2 x 2, and HSDP's 2 x 2 with 2 tensor ranks) are slow drills: 15-45 s each on 2 shared cores.
+of the time on 2 cores). ``make test`` runs two 4-process cases: the lab's (tests/labs/test_17_composition.py: 2
+stages x 2 tensor ranks in float64) and 2 context x 2 tensor ranks in float64, with the ring's messages counted
+(10 s). Here every mesh of 4 processes in float64 and in float32, and 8 processes (2 x 2 x 2, HSDP's 2 x 2 with 2
+tensor ranks, and three meshes with 2 context ranks) are slow drills: 20-45 s each on 2 shared cores.
 """
 
 from dataclasses import asdict
