@@ -61,9 +61,10 @@ What a lesson builds or shows:
 - ``common.moe`` (15): a mixture of experts in place of the MLP (top-k routing, Switch's balancing loss, capacity
   with dropping) and expert parallelism by hand (the counts exchanged, the uneven all-to-all as an autograd Function
   whose backward is the reverse exchange, the expert-major permutation), with and without data parallelism.
-- ``common.parallelize`` (16): the GPT on a pipeline x data x tensor ``DeviceMesh``, applied by functions in
-  torchtitan's order (the pipeline cut, tensor + sequence parallelism, FSDP2 or HSDP), one step on any mesh, the whole
-  model gathered back, for the proof that it trains the same model as 1-D FSDP.
+- ``common.parallelize`` (16): the GPT on a pipeline x data x context x tensor ``DeviceMesh``, applied by functions
+  in torchtitan's order (the pipeline cut, tensor + sequence parallelism, lesson 14's ring attention over the context
+  ranks, FSDP2 or HSDP over the data and context ranks), one step on any mesh, the whole model gathered back, for the
+  proof that it trains the same model as 1-D FSDP.
 - ``common.planner`` (16): which data, tensor, pipeline and context degrees to train with: every mesh the model's
   shapes allow, its memory per device and step time predicted with lessons 06-13's formulas, ranked by the
   Ultra-Scale Playbook's three steps; presets for Llama 3 on H100s (``scripts/plan.py`` prints the tables).

@@ -310,6 +310,32 @@ def ring_attention(q, k, v, layout: str = "contiguous", causal: bool = False, gr
     return RingAttention.apply(q, k, v, layout, causal, group)
 
 
+def ring_attend(
+    queries,
+    keys,
+    values,
+    head_dim: int,
+    causal: bool = False,
+    dropout: float = 0.0,
+    *,
+    group=None,
+    layout: str = "zigzag",
+) -> torch.Tensor:
+    """``common.tensor_parallel.attend`` computed by ``RingAttention`` over ``group``: the ``(batch, seq / N, heads
+    * head_dim)`` projections of this rank's positions (cut by ``layout``) in, their attention out, in the same
+    layout. ``heads`` is whatever the projections hold: under tensor parallelism, this rank's ``num_heads / tp``.
+    What ``common.parallelize.apply_context_parallel`` puts in each ``SelfAttention``. No attention dropout."""
+    if dropout > 0:
+        raise ValueError("ring attention has no attention dropout: build the GPT with dropout=0")
+    batch, local, width = queries.shape
+
+    def heads(T):  # (batch, local, heads * head_dim) -> (batch, heads, local, head_dim)
+        return T.view(batch, local, width // head_dim, head_dim).transpose(1, 2)
+
+    mixed = RingAttention.apply(heads(queries), heads(keys), heads(values), layout, causal, group)
+    return mixed.transpose(1, 2).reshape(batch, local, width)
+
+
 def ring_messages(batch: int, heads: int, seq: int, head_dim: int, world_size: int, element_size: int) -> dict:
     """What one rank sends in one ``RingAttention`` forward and backward: each message is one key/value block (or
     its gradient), ``2 batch heads (seq / N) head_dim`` elements. Forward: N - 1 blocks. Backward: N - 1 blocks

@@ -15,7 +15,9 @@ first stage's copy embeds, the last one's normalizes and scores, and the parts a
 ``forward`` passes activations in or out instead (as torchtitan's Llama does).
 
 ``GPT.embed(tokens, start)`` embeds a slice of the sequence that starts at position ``start``: sequence
-parallelism (``common.sequence_parallel``) gives each rank its own slice. ``next_token_loss`` is the mean
+parallelism (``common.sequence_parallel``) gives each rank its own slice. ``GPT.positions``, when set, says
+which positions the tokens are at instead: context parallelism (``common.parallelize``) cuts the sequence into
+zig-zag pieces that are not one range. ``next_token_loss`` is the mean
 cross-entropy of predicting every next byte; its exponential is the perplexity. ``generate`` samples text.
 """
 
@@ -51,11 +53,16 @@ class GPT(nn.Module):
         )
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
+        # The positions of the tokens it is given, when they are not 0..L-1: context parallelism (lesson 16) gives
+        # each rank its zig-zag share of the sequence and sets them here. None: 0..L-1.
+        self.positions: torch.Tensor | None = None
 
     def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """``tokens`` (batch, length) at positions ``start`` to ``start + length``: their embeddings plus the
-        positions', after dropout."""
+        """``tokens`` (batch, length) at positions ``start`` to ``start + length`` (or at ``self.positions``, when
+        set): their embeddings plus the positions', after dropout."""
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        if self.positions is not None:
+            positions = self.positions.to(tokens.device)
         return maybe_dropout(self.token(tokens) + self.position(positions), self.dropout, self.training)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

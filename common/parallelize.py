@@ -1,29 +1,39 @@
-"""Composition (lesson 16): lesson 13's GPT on a mesh of pipeline x data x tensor ranks, applied by functions.
+"""Composition (lesson 16): lesson 13's GPT on a mesh of pipeline x data x context x tensor ranks, applied by functions.
 
 The model code (``common.gpt``) never imports ``torch.distributed``: each kind of parallelism is *applied* to it by
 one function here, in the order torchtitan's ``pipeline_llama`` and ``parallelize_llama`` apply theirs:
 
-    mesh = make_mesh(device_type, pp=2, dp=2, tp=2, world_size=8)    # dims pp, dp_replicate, dp_shard, tp
+    mesh = make_mesh(device_type, pp=2, dp=2, tp=2, world_size=16, cp=2)  # dims pp, dp_replicate, dp_shard, cp, tp
     stage, first_block = pipeline_split(gpt, stage_index, pp)        # 1. this stage's blocks (lesson 11)
     apply_tensor_parallel(stage, mesh["tp"])                         # 2. TP + SP + a vocabulary-parallel head (12-13)
-                                                                     #    (context parallelism would come here, 14)
-    apply_fsdp(stage, data_mesh(mesh))                               # 3. FSDP2 (or HSDP) over the data ranks (06)
+    apply_context_parallel(stage, mesh["cp"])                        # 3. ring attention over the cp ranks (14)
+    apply_fsdp(stage, data_mesh(mesh))                               # 4. FSDP2 (or HSDP) over the data x cp ranks (06)
     optimizer = torch.optim.AdamW(stage.parameters())                # after all of them: it sees the final shards
 
-``parallelize`` does the three in that order. Why this order: the pipeline cut comes first because each stage is a
-model of its own, which the other two then transform. Tensor parallelism comes before FSDP because FSDP shards
+``parallelize`` does the four in that order. Why this order: the pipeline cut comes first because each stage is a
+model of its own, which the others then transform. Tensor parallelism comes before FSDP because FSDP shards
 whatever parameters it finds: after tensor parallelism they are DTensors on the ``tp`` dim, and FSDP cuts them
-again along the ``dp`` dim (norms and row-wise biases are ``Replicate`` on ``tp``; HSDP adds ``Replicate`` on
+again along the data dim (norms and row-wise biases are ``Replicate`` on ``tp``; HSDP adds ``Replicate`` on
 ``dp_replicate``). The other way round, tensor parallelism would find FSDP's shards and not the weights its plan
-names. The ``tp`` dim is innermost (neighbouring ranks): its collectives run in every block, so on a real cluster
-they stay inside a node's fast links. The outer dims (``dp``, then ``pp``, torchtitan's order) cross nodes once
-their groups span more than one node; Llama 3 put ``dp`` outermost instead.
+names. Context parallelism changes no parameter: it changes how each attention mixes its projections (ring
+attention) and which positions the first stage embeds. It comes after tensor parallelism, so that the ring carries
+only this rank's ``num_heads / tp`` heads, and before FSDP, which must know that the ``cp`` ranks share weights.
 
-Context parallelism (lesson 14, ``common.context_parallel``) is not applied here yet. In torchtitan it is not a
-change to the model: a ``cp`` dim sits between ``dp`` and ``tp``, each batch's sequence is cut over it inside a
-context manager around forward and backward (ring attention), and FSDP then shards over the flattened
-``dp`` x ``cp`` dims, since the ``cp`` ranks hold the same weights. A ``cp`` degree would enter ``make_mesh``, the
-step (``forward_backward``) and ``apply_fsdp``'s mesh.
+FSDP shards over the ``dp_shard`` and ``cp`` dims flattened into one (``DeviceMesh._flatten``, as torchtitan does;
+torch 2.14 has no public name for it). The ``cp`` ranks hold the same weights, and each computed the gradient of
+its own share of the tokens: averaged over ``dp`` x ``cp`` ranks, those are the gradient of the global batch's mean
+loss, since every share is the same size. The ``cp`` ranks of one data rank train on the same sequences, each on
+its zig-zag positions (``context_share``): rank c of N holds chunks c and 2N - 1 - c of 2N, so that under the
+causal mask every rank does the same work (lesson 14).
+
+The ring is the course's own (``common.context_parallel.ring_attend``): torch's
+``torch.distributed.tensor.experimental.context_parallel`` replaces only CUDA's fused scaled-dot-product attention
+ops, so on CPU and gloo it would not cut anything. The ``cp`` dim sits between the data dims and ``tp``: it talks
+in every block, as ``tp`` does, but only to its ring neighbours, and its messages can overlap the computation.
+
+The ``tp`` dim is innermost (neighbouring ranks): its collectives run in every block, so on a real cluster they
+stay inside a node's fast links. The outer dims (``dp``, then ``pp``, torchtitan's order) cross nodes once their
+groups span more than one node; Llama 3 put ``dp`` outermost instead.
 
 ``forward_backward`` runs one step's forward and backward on any mesh: through a ``torch.distributed.pipelining``
 GPipe schedule over the ``pp`` dim when there is one, under ``loss_parallel`` when the head is cut by vocabulary.
@@ -34,6 +44,7 @@ the proof that the N-D run trains the same model as the 1-D FSDP control (torcht
 import logging
 import warnings
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -43,6 +54,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from common.context_parallel import ring_attend, shard_positions
 from common.distributed import ConfigurationError
 from common.gpt import GPT, next_token_loss
 from common.pipeline import stage_bounds
@@ -50,19 +62,21 @@ from common.sequence_parallel import parallelize_gpt
 
 # Outermost to innermost: the pipeline's messages cross the slowest links, tensor parallelism's the fastest. The data
 # ranks are replicas (dp_replicate: each holds a whole copy of the shards, gradients all-reduced between them) of
-# FSDP groups (dp_shard): HSDP, when there are several replicas.
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# FSDP groups (dp_shard): HSDP, when there are several replicas. The context ranks (cp) of a data rank share its
+# sequences, each holding its zig-zag share of every sequence's positions.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+LAYOUT = "zigzag"  # how the cp ranks cut a sequence (common.context_parallel.shard_pieces)
 
 
-def check_degrees(pp: int, dp: int, tp: int, world_size: int, replicas: int = 1, **shapes) -> None:
+def check_degrees(pp: int, dp: int, tp: int, world_size: int, replicas: int = 1, cp: int = 1, **shapes) -> None:
     """A ``ConfigurationError`` that says why, before any collective, when the degrees do not fit: their product
     must be the world size, ``replicas`` must divide ``dp``, and ``shapes`` (any of ``num_layers``,
     ``num_heads``, ``d_model``, ``context``, ``vocab_size``, ``batch_size`` (the global batch), ``microbatches``)
-    must divide by them."""
-    if pp * dp * tp != world_size:
+    must divide by them. The context: into 2 ``cp`` zig-zag chunks, then each ``cp`` rank's share by ``tp``."""
+    if pp * dp * cp * tp != world_size:
         raise ConfigurationError(
-            f"error: the mesh --pp {pp} x --dp {dp} x --tp {tp} needs {pp * dp * tp} processes, but "
-            f"{world_size} were started: choose degrees whose product is {world_size}"
+            f"error: the mesh --pp {pp} x --dp {dp} x --cp {cp} x --tp {tp} needs {pp * dp * cp * tp} processes, "
+            f"but {world_size} were started: choose degrees whose product is {world_size}"
         )
     if dp % replicas:
         raise ConfigurationError(f"error: --replicas {replicas} does not divide --dp {dp}: HSDP's replicas are "
@@ -72,7 +86,13 @@ def check_degrees(pp: int, dp: int, tp: int, world_size: int, replicas: int = 1,
         ("num_heads", tp, "each tensor-parallel rank takes whole heads: --heads divisible by --tp", None),
         ("d_model", tp, "the projections split by columns: --d-model divisible by --tp", None),
         ("vocab_size", tp, "the head splits the vocabulary: 256 divisible by --tp", None),
-        ("context", tp, "sequence parallelism cuts the sequence: --context divisible by --tp", None),
+        (
+            "context",
+            2 * cp if cp > 1 else 1,
+            "the zig-zag layout cuts it into 2 x cp chunks: --context divisible by 2 x --cp",
+            None,
+        ),
+        ("context", cp * tp, "sequence parallelism cuts a cp rank's share: --context / --cp divisible by --tp", None),
         ("batch_size", dp, "each data rank takes an equal share: --batch-size divisible by --dp", None),
     ]
     for name, degree, why, fits in rules:
@@ -86,27 +106,46 @@ def check_degrees(pp: int, dp: int, tp: int, world_size: int, replicas: int = 1,
             )
 
 
-def make_mesh(device_type: str, pp: int, dp: int, tp: int, world_size: int, replicas: int = 1) -> DeviceMesh:
-    """The 4-D ``DeviceMesh`` ``MESH_DIMS`` of ``pp`` x ``replicas`` x ``dp / replicas`` x ``tp`` ranks (a degree
-    of 1 is a dim of size 1): rank r's coordinates count in that order, the tensor-parallel ranks neighbours."""
-    check_degrees(pp, dp, tp, world_size, replicas)
-    return init_device_mesh(device_type, (pp, replicas, dp // replicas, tp), mesh_dim_names=MESH_DIMS)
+def make_mesh(
+    device_type: str, pp: int, dp: int, tp: int, world_size: int, replicas: int = 1, cp: int = 1
+) -> DeviceMesh:
+    """The 5-D ``DeviceMesh`` ``MESH_DIMS`` of ``pp`` x ``replicas`` x ``dp / replicas`` x ``cp`` x ``tp`` ranks (a
+    degree of 1 is a dim of size 1): rank r's coordinates count in that order, the tensor-parallel ranks
+    neighbours."""
+    check_degrees(pp, dp, tp, world_size, replicas, cp)
+    return init_device_mesh(device_type, (pp, replicas, dp // replicas, cp, tp), mesh_dim_names=MESH_DIMS)
 
 
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data ranks' mesh, for FSDP: 1-D ("dp_shard") with one replica, else 2-D ("dp_replicate", "dp_shard"),
-    on which ``fully_shard`` is HSDP."""
-    return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    """The mesh FSDP shards over: the data ranks, and the context ranks with them when ``cp`` > 1 (``dp_shard``
+    and ``cp`` flattened into one dim, ``"dp_shard_cp"``, as torchtitan does). 1-D with one replica, else 2-D
+    (``"dp_replicate"`` first), on which ``fully_shard`` is HSDP."""
+    shard = mesh["dp_shard"]
+    if mesh["cp"].size() > 1:  # the cp ranks hold the same weights: one FSDP group with the data ranks
+        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # torch 2.14 has no public name; created once
+    if mesh["dp_replicate"].size() == 1:
+        return shard
+    return DeviceMesh._concatenate([mesh["dp_replicate"], shard])  # ("dp_replicate", "dp_shard[_cp]")
 
 
 def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
-    """This rank's index among the data ranks, and their number: which share of the global batch it trains on."""
+    """This rank's index among the data ranks, and their number: which share of the global batch it trains on. The
+    ``cp`` ranks of a data rank share it (``context_share`` then cuts each sequence)."""
     replica, shard, shards = (
         mesh["dp_replicate"].get_local_rank(),
         mesh["dp_shard"].get_local_rank(),
         mesh["dp_shard"].size(),
     )
     return replica * shards + shard, mesh["dp_replicate"].size() * shards
+
+
+def context_share(sequences: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's positions of ``sequences`` (batch, context), tokens or targets: its zig-zag share on the ``cp``
+    dim (``shard_positions``), in the order ``GPT.positions`` embeds them. All of them without a ``cp`` dim."""
+    cp = mesh["cp"]
+    if cp.size() == 1:
+        return sequences
+    return sequences[:, shard_positions(sequences.shape[1], cp.get_local_rank(), cp.size(), LAYOUT)]
 
 
 def pipeline_split(gpt: GPT, stage: int, num_stages: int) -> tuple[GPT, int]:
@@ -133,10 +172,26 @@ def apply_tensor_parallel(gpt: GPT, tp_mesh: DeviceMesh) -> GPT:
         return parallelize_gpt(gpt, tp_mesh)
 
 
+def apply_context_parallel(gpt: GPT, cp_mesh: DeviceMesh) -> GPT:
+    """Lesson 14's context parallelism of ``gpt`` on the 1-D ``cp_mesh``: every attention mixes its projections by
+    ring attention over the ``cp`` ranks (``ring_attend``, zig-zag, causal), on the heads this rank holds (after
+    tensor parallelism, ``num_heads / tp``), and the first stage embeds this rank's zig-zag positions of a
+    ``gpt.context``-long sequence (``GPT.positions``). No parameter changes: feed it ``context_share``'s tokens.
+    torch's ``context_parallel`` would replace only CUDA's fused attention ops; this ring runs on CPU and gloo too.
+    Returns ``gpt``."""
+    group, rank, size = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
+    for block in gpt.blocks:
+        block.attention.attend = partial(ring_attend, group=group, layout=LAYOUT)
+    device = next(gpt.parameters()).device
+    gpt.positions = shard_positions(gpt.context, rank, size, LAYOUT).to(device)
+    return gpt
+
+
 def apply_fsdp(gpt: GPT, dp_mesh: DeviceMesh) -> GPT:
     """FSDP2 over ``dp_mesh`` (``data_mesh``): ``fully_shard`` on every block, then on the root (embeddings, norm,
     head), as lesson 06 does. On a 2-D mesh ("dp_replicate", "dp_shard") it is HSDP: shards within each replica,
-    gradients all-reduced across the replicas. Returns ``gpt``."""
+    gradients all-reduced across the replicas. With context parallelism the shard dim is ``"dp_shard_cp"``: the
+    gradients are averaged over the data and context ranks together. Returns ``gpt``."""
     for block in gpt.blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(gpt, mesh=dp_mesh)
@@ -144,18 +199,20 @@ def apply_fsdp(gpt: GPT, dp_mesh: DeviceMesh) -> GPT:
 
 
 def parallelize(gpt: GPT, mesh: DeviceMesh) -> tuple[GPT, int]:
-    """``gpt`` on ``mesh`` (``make_mesh``): this rank's pipeline stage, tensor + sequence parallel, sharded over
-    its data ranks, in torchtitan's order (common/parallelize.py's docstring says why); dims of size 1 are skipped.
-    Returns the stage and the index of its first block."""
-    # BEGIN LAB: apply the three parallelisms in torchtitan's order
-    # pipeline_split, apply_tensor_parallel and apply_fsdp do one each; skip a dim of size 1 (mesh["tp"].size())
-    # a stage's index is its rank on the pp dim: mesh["pp"].get_local_rank()
+    """``gpt`` on ``mesh`` (``make_mesh``): this rank's pipeline stage, tensor + sequence parallel, context parallel,
+    sharded over its data and context ranks, in torchtitan's order (common/parallelize.py's docstring says why);
+    dims of size 1 are skipped. Returns the stage and the index of its first block."""
+    # BEGIN LAB: apply the four parallelisms in torchtitan's order
+    # pipeline_split, apply_tensor_parallel, apply_context_parallel and apply_fsdp do one each; skip a dim of size 1
+    # (mesh["tp"].size()); a stage's index is its rank on the pp dim: mesh["pp"].get_local_rank()
     first_block = 0
     if mesh["pp"].size() > 1:  # 1. each stage is a model of its own, which the others then transform
         gpt, first_block = pipeline_split(gpt, mesh["pp"].get_local_rank(), mesh["pp"].size())
-    if mesh["tp"].size() > 1:  # 2. DTensors on the tp dim (context parallelism would follow here)
+    if mesh["tp"].size() > 1:  # 2. DTensors on the tp dim
         apply_tensor_parallel(gpt, mesh["tp"])
-    apply_fsdp(gpt, data_mesh(mesh))  # 3. last: FSDP shards the parameters it finds, TP's DTensors included
+    if mesh["cp"].size() > 1:  # 3. after tp: the ring carries this rank's heads only
+        apply_context_parallel(gpt, mesh["cp"])
+    apply_fsdp(gpt, data_mesh(mesh))  # 4. last: FSDP shards the parameters it finds, over the data and cp ranks
     # END LAB
     return gpt, first_block
 
@@ -199,7 +256,8 @@ def forward_backward(model: GPT, schedule, mesh: DeviceMesh, tokens, targets) ->
 
 def global_mean_loss(local: float | None, mesh: DeviceMesh, device: torch.device) -> float:
     """The step's loss over the whole global batch, the same on every rank: the mean over the ranks that computed
-    one (the last stage's data x tensor ranks; the tensor ranks hold the same value). One all-reduce of
+    one (the last stage's data x context x tensor ranks; the tensor ranks hold the same value, each context rank the
+    mean over its equal share of the tokens). One all-reduce of
     (sum, count) in float64 over the world."""
     pair = torch.tensor([local or 0.0, 0.0 if local is None else 1.0], dtype=torch.float64, device=device)
     dist.all_reduce(pair)  # gloo has no AVG: sum, then divide

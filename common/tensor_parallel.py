@@ -250,10 +250,13 @@ class SelfAttention(nn.Module):
         self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
         self.out = nn.Linear(d_model, d_model)
         self.causal, self.dropout = causal, dropout
+        # How the projections are mixed: ``attend``'s signature. Context parallelism (lesson 16) swaps in ring
+        # attention over its ranks (``common.context_parallel.ring_attend``); the module itself stays the same.
+        self.attend = attend
 
     def forward(self, X):
         p = self.dropout if self.training else 0.0
-        mixed = attend(self.q(X), self.k(X), self.v(X), self.head_dim, self.causal, p)
+        mixed = self.attend(self.q(X), self.k(X), self.v(X), self.head_dim, self.causal, p)
         return maybe_dropout(self.out(mixed), p, self.training)
 
 

@@ -121,8 +121,9 @@ print(f"largest gap: loss {gap['loss']:.1e}, parameter {gap['parameter']:.1e}")
 
 # %% [markdown]
 # The losses agree to the printed digits, or nearly. The gap is fp32 rounding of the same sums in another order.
-# The cell above prints the gap and asserts nothing. In float64 with SGD, the tests hold four meshes of 4 processes
-# (dp2 x tp2, pp2 x dp2, pp2 x tp2, HSDP 2 x 2) to 1e-12.
+# The cell above prints the gap and asserts nothing. In float64 with SGD, the tests hold seven meshes of 4
+# processes to 1e-12. Four are dp2 x tp2, pp2 x dp2, pp2 x tp2 and HSDP 2 x 2. Three add context parallelism:
+# cp2 x dp2, cp2 x tp2 and pp2 x cp2.
 #
 # ## 3. The planner against measurement
 #

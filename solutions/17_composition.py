@@ -1,11 +1,13 @@
-"""Lab 17 (lesson 16): the GPT trained on a mesh of pipeline x data x tensor ranks, proved equal to 1-D FSDP.
+"""Lab 17 (lesson 16): the GPT trained on a mesh of pipeline x data x context x tensor ranks, proved equal to 1-D FSDP.
 
 Every process builds the same GPT (common/gpt.py) from the same seed, then common/parallelize.py applies the mesh
---pp x --dp x --tp to it, in torchtitan's order: the pipeline cut (this rank's blocks, a GPipe schedule of
---microbatches), tensor + sequence parallelism (lesson 13's plan, a vocabulary-parallel head), then FSDP2 over the
-data ranks (--replicas R: HSDP, R replicas of dp / R FSDP ranks each). Each step draws one global batch of
---batch-size windows of the text (the same on every rank, from --seed); data rank d trains on its 1/dp share. It
-prints the loss of each step, averaged over the whole batch.
+--pp x --dp x --cp x --tp to it, in torchtitan's order: the pipeline cut (this rank's blocks, a GPipe schedule of
+--microbatches), tensor + sequence parallelism (lesson 13's plan, a vocabulary-parallel head), context parallelism
+(lesson 14's ring attention over the --cp ranks, each holding a zig-zag share of every sequence), then FSDP2 over
+the data and context ranks (--replicas R: HSDP, R replicas of FSDP groups). Each step draws one global batch of
+--batch-size windows of the text (the same on every rank, from --seed); data rank d trains on its 1/dp share, and
+its --cp ranks each on 1/cp of every sequence's positions. It prints the loss of each step, averaged over the
+whole batch.
 
 The proof (torchtitan's "converging" check): the same command with --dp equal to the world size (or --control) is
 plain 1-D FSDP, the control. Both runs see the same batches in the same order from the same weights, so their
@@ -16,6 +18,9 @@ agree to rounding. Dropout is off by default: its masks depend on how the work i
     torchrun --standalone --nproc_per_node=4 solutions/17_composition.py --dp 2 --tp 2
     torchrun --standalone --nproc_per_node=4 solutions/17_composition.py --control
 
+    # 2 context ranks (lesson 14's ring attention, each rank half of every sequence) x 2 tensor ranks
+    torchrun --standalone --nproc_per_node=4 solutions/17_composition.py --cp 2 --tp 2
+
     # 2 pipeline stages x 2 tensor ranks, 4 micro-batches per step
     torchrun --standalone --nproc_per_node=4 solutions/17_composition.py --pp 2 --tp 2 --microbatches 4
 
@@ -23,7 +28,7 @@ agree to rounding. Dropout is off by default: its masks depend on how the work i
     torchrun --standalone --nproc_per_node=8 solutions/17_composition.py --pp 2 --dp 2 --tp 2 --dtype float64 \
         --optimizer sgd --lr 0.5
 
-    # one process: the control alone (a mesh of 1 x 1 x 1), on a smaller GPT
+    # one process: the control alone (a mesh of 1 x 1 x 1 x 1), on a smaller GPT
     python solutions/17_composition.py --layers 2 --d-model 32
 
     # 8 GPUs (NCCL): a wider GPT, 2 stages x 2 data x 2 tensor ranks
@@ -43,6 +48,7 @@ from common.distributed import BACKENDS, is_main, print0, process_group, set_see
 from common.gpt import GPT
 from common.parallelize import (
     check_degrees,
+    context_share,
     data_rank,
     forward_backward,
     gathered_parameters,
@@ -68,6 +74,7 @@ def parse_args(argv=None):
     parser.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
     parser.add_argument("--dp", type=positive_int, help="data-parallel (FSDP) ranks (default: what is left)")
     parser.add_argument("--replicas", type=positive_int, default=1, help="HSDP: --dp as replicas of FSDP groups")
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks: ring attention")
     parser.add_argument("--tp", type=positive_int, default=1, help="tensor + sequence parallel ranks")
     parser.add_argument("--control", action="store_true", help="1-D FSDP over every process: the reference run")
     parser.add_argument("--microbatches", type=positive_int, default=2, help="per step and data rank, with --pp")
@@ -93,24 +100,24 @@ def main(args):
         train(args, env)
 
 
-def degrees(args, world_size: int) -> tuple[int, int, int]:
-    """(pp, dp, tp): --control is 1 x world x 1; a missing --dp is what the world leaves after --pp and --tp."""
+def degrees(args, world_size: int) -> tuple[int, int, int, int]:
+    """(pp, dp, cp, tp): --control is 1 x world x 1 x 1; a missing --dp is what the world leaves after the rest."""
     if args.control:
-        return 1, world_size, 1
-    dp = args.dp if args.dp is not None else max(world_size // (args.pp * args.tp), 1)
-    return args.pp, dp, args.tp
+        return 1, world_size, 1, 1
+    dp = args.dp if args.dp is not None else max(world_size // (args.pp * args.cp * args.tp), 1)
+    return args.pp, dp, args.cp, args.tp
 
 
 def train(args, env):
     print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
-    pp, dp, tp = degrees(args, env.world_size)
+    pp, dp, cp, tp = degrees(args, env.world_size)
     shapes = dict(num_layers=args.layers, num_heads=args.heads, d_model=args.d_model, context=args.context)
     shapes |= dict(vocab_size=256, batch_size=args.batch_size, microbatches=args.microbatches)
     replicas = 1 if args.control else args.replicas
-    check_degrees(pp, dp, tp, env.world_size, replicas, **shapes)  # before any text is read or any collective runs
+    check_degrees(pp, dp, tp, env.world_size, replicas, cp, **shapes)  # before any text is read or any collective
     text = load_text(args.text, args.context)
-    mesh = make_mesh(env.device.type, pp, dp, tp, env.world_size, replicas)
-    print0(f"mesh: pp {pp} x dp {dp} ({replicas} replica(s)) x tp {tp} = {env.world_size} processes: {mesh}")
+    mesh = make_mesh(env.device.type, pp, dp, tp, env.world_size, replicas, cp)
+    print0(f"mesh: pp {pp} x dp {dp} ({replicas} replica(s)) x cp {cp} x tp {tp} = {env.world_size} processes: {mesh}")
 
     set_seed(args.seed)  # the same whole model on every rank, and in the control
     gpt = GPT(text.vocab_size, args.context, args.d_model, args.heads, args.layers, args.dropout)
@@ -126,7 +133,7 @@ def train(args, env):
     for step in range(args.steps):
         rows = order[(step * args.batch_size) % len(order) :][: args.batch_size]  # the global batch
         rows = rows[data_index * share : (data_index + 1) * share]  # this data rank's share of it
-        tokens, targets = (t[rows].to(env.device) for t in text.train.tensors)
+        tokens, targets = (context_share(t[rows], mesh).to(env.device) for t in text.train.tensors)  # cp: positions
         optimizer.zero_grad(set_to_none=True)
         local = forward_backward(model, schedule, mesh, tokens, targets)
         optimizer.step()
@@ -137,7 +144,7 @@ def train(args, env):
     parameters = gathered_parameters(model, first_block)  # every rank takes part; rank 0 writes
     if args.save and is_main():
         record = {
-            "mesh": {"pp": pp, "dp": dp, "replicas": replicas, "tp": tp},
+            "mesh": {"pp": pp, "dp": dp, "replicas": replicas, "cp": cp, "tp": tp},
             "losses": losses,
             "parameters": parameters,
         }

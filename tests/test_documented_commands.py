@@ -395,7 +395,7 @@ SLOW_COMMANDS = {
     "lessons/15_mixture_of_experts.md:3",
     # 4 and 8 processes, 20-35 s each; the one-process command stays in make test
     "solutions/17_composition.py:1", "solutions/17_composition.py:2", "solutions/17_composition.py:3",
-    "solutions/17_composition.py:4",
+    "solutions/17_composition.py:4", "solutions/17_composition.py:5",
     "solutions/15_context_parallel.py:2", "solutions/15_context_parallel.py:3",
 }  # fmt: skip
 

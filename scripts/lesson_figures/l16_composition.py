@@ -8,10 +8,11 @@ from pathlib import Path
 
 from .draw import COMMUNICATE, COMPUTE, IDLE, MEMORY, RANK_COLOURS, RESULTS, arrow, box, canvas, plt, save, tint
 
-RUNS = {  # solution 17, 4 processes, 10 steps each: the control and two N-D meshes (scripts/provenance.py record)
+RUNS = {  # solution 17, 4 processes, 10 steps each: the control and three N-D meshes (scripts/provenance.py record)
     "control: 1-D FSDP over 4": RESULTS / "16_composition_control.txt",
     "dp 2 x tp 2": RESULTS / "16_composition_dp2_tp2.txt",
     "pp 2 x tp 2, 4 micro-batches": RESULTS / "16_composition_pp2_tp2.txt",
+    "cp 2 x tp 2": RESULTS / "16_composition_cp2_tp2.txt",
 }
 CHECK = RESULTS / "planner_check.json"
 PLAN_405B = RESULTS / "plan_llama3_405b_h100x16k.txt"
@@ -20,37 +21,42 @@ PART_COLOURS = (RANK_COLOURS[0], RANK_COLOURS[1], RANK_COLOURS[2], MEMORY)
 
 
 def mesh_order(path: Path) -> None:
-    """8 ranks on a pp 2 x dp 2 x tp 2 mesh, and what each function leaves on rank 0: its stage, its tp half, its
-    dp shard of that half."""
-    fig, axes = canvas(11, 5.2, xlim=22, ylim=10.4)
-    axes.text(11, 10.0, "A GPT on a pp 2 x dp 2 x tp 2 mesh: 8 ranks, three functions in order", ha="center",
+    """16 ranks on a pp 2 x dp 2 x cp 2 x tp 2 mesh, and what each function leaves on rank 0: its stage, its tp
+    half, its ring over cp with its zig-zag share of the positions, its dp x cp shard of that half."""
+    fig, axes = canvas(11, 5.6, xlim=22, ylim=11.2)
+    axes.text(11, 10.8, "A GPT on a pp 2 x dp 2 x cp 2 x tp 2 mesh: 16 ranks, four functions in order", ha="center",
               fontsize=12, weight="bold")  # fmt: skip
     for stage in range(2):
         x0 = 0.4 + stage * 5.2
-        axes.text(x0 + 2.3, 8.9, f"pp stage {stage}: blocks {2 * stage}-{2 * stage + 1}", ha="center", fontsize=9)
-        for dp in range(2):
+        axes.text(x0 + 2.3, 9.9, f"pp stage {stage}: blocks {2 * stage}-{2 * stage + 1}", ha="center", fontsize=9)
+        for row in range(4):  # dp outside cp: the cp ranks of one data rank are neighbours
+            dp, cp = divmod(row, 2)
             for tp in range(2):
-                rank = stage * 4 + dp * 2 + tp
-                box(axes, x0 + tp * 2.3, 7.0 - dp * 1.4, 2.1, 1.1, f"rank {rank}\ndp {dp}, tp {tp}",
-                    tint(RANK_COLOURS[rank], 0.45), 8)  # fmt: skip
-    axes.text(5.4, 4.2, "tp innermost: neighbouring ranks, one node's fast links\n"
+                rank = stage * 8 + dp * 4 + cp * 2 + tp
+                label, colour = f"rank {rank}\ndp {dp} cp {cp} tp {tp}", RANK_COLOURS[rank % len(RANK_COLOURS)]
+                box(axes, x0 + tp * 2.3, 8.6 - row * 1.15 - dp * 0.25, 2.1, 0.95, label, tint(colour, 0.45), 7.5)
+    axes.text(5.4, 3.2, "tp innermost: neighbouring ranks, one node's fast links\n"
+              "cp next: a ring that talks in every block\n"
               "the outer dims (dp, pp) cross nodes once they span more than one",
               ha="center", fontsize=8.5)  # fmt: skip
     steps = [
         ("1. pipeline_split", "rank 0 keeps blocks 0-1\n(half the blocks)", COMPUTE),
         ("2. apply_tensor_parallel", "linear, embedding weights cut\nin 2 over tp, norms copied", COMMUNICATE),
-        ("3. apply_fsdp", "each DTensor cut again over dp:\n2-D DTensors, a quarter of a stage", MEMORY),
+        (
+            "3. apply_context_parallel",
+            "ring attention over cp, 2 of 4 heads;\nit embeds position chunks 0 and 3 of 4",
+            COMMUNICATE,
+        ),
+        ("4. apply_fsdp", "each DTensor cut again over dp x cp:\na quarter of its tp half", MEMORY),
     ]
     for index, (name, held, colour) in enumerate(steps):
-        y = 8.0 - index * 2.4
-        box(axes, 11.4, y, 4.4, 1.4, name, colour, 9)
-        axes.text(16.1, y + 0.7, held, va="center", fontsize=8.5)
+        y = 8.6 - index * 2.1
+        box(axes, 11.4, y, 4.4, 1.3, name, colour, 9)
+        axes.text(16.1, y + 0.65, held, va="center", fontsize=8.5)
         if index:
-            arrow(axes, (13.5, y + 2.4), (13.5, y + 1.4))
-    box(axes, 11.4, 0.6, 4.4, 1.2, "then the optimizer:\nit sees the final shards", IDLE, 8.5)
-    arrow(axes, (13.5, 3.2), (13.5, 1.8))
-    axes.text(5.4, 2.3, "Context parallelism is not in this composition.\nIt would add a cp dim between dp and tp.",
-              ha="center", fontsize=8.5, style="italic")  # fmt: skip
+            arrow(axes, (13.6, y + 2.1), (13.6, y + 1.3))
+    box(axes, 11.4, 0.3, 4.4, 1.1, "then the optimizer:\nit sees the final shards", IDLE, 8.5)
+    arrow(axes, (13.6, 2.3), (13.6, 1.4))
     save(fig, path)
 
 

@@ -1,4 +1,4 @@
-"""Lab 17: the order in which a mesh of pipeline x data x tensor ranks is applied to the GPT.
+"""Lab 17: the order in which a mesh of pipeline x data x context x tensor ranks is applied to the GPT.
 
 Runs against solutions/17_composition.py; with LAB_TARGET=labs, against your labs/17_composition.py:
 
@@ -6,9 +6,9 @@ Runs against solutions/17_composition.py; with LAB_TARGET=labs, against your lab
 
 First, in this one process: a mesh whose degrees do not multiply to the processes, or do not divide the model,
 stops your script at once with a message. Then a spawn of 4 ranks: the script's own ``train`` with your
-``parallelize`` on 2 pipeline stages x 2 tensor ranks (and, a slow drill, on 2 data x 2 tensor ranks) against the
-1-D FSDP control, in float64 with SGD: the losses per step and the final parameters to 1e-12 (tests/test_parallelize.py
-says why these settings; it runs every mesh).
+``parallelize`` on 2 pipeline stages x 2 tensor ranks (and, slow drills, on 2 data x 2 tensor ranks and on 2
+context x 2 tensor ranks) against the 1-D FSDP control, in float64 with SGD: the losses per step and the final
+parameters to 1e-12 (tests/test_parallelize.py says why these settings; it runs every mesh).
 """
 
 import pytest
@@ -32,9 +32,11 @@ def lab_runs(env, mesh: str):
     return runs if env.rank == 0 else []
 
 
-# One mesh in make test (12 s on 2 cores); the other, and every mesh with the solution, in make test-slow.
+# One mesh in make test (12 s on 2 cores); the others, and every mesh with the solution, in make test-slow.
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mesh", ["pp2-tp2", pytest.param("dp2-tp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mesh", ["pp2-tp2", *(pytest.param(m, marks=pytest.mark.slow) for m in ("dp2-tp2", "cp2-tp2"))]
+)
 def test_your_order_trains_the_same_model_as_fsdp_on_4_processes(mesh):
     (runs, *_) = run_on_ranks(lab_runs, 4, mesh, timeout=80)
     control, tested = runs
