@@ -76,11 +76,15 @@ class Step:
 
 
 def composition_mesh(num_gpus: int) -> list[str]:
-    """Solution 17's mesh for ``num_gpus`` GPUs: 2 stages x 2 tensor ranks (data ranks: the rest) where 4 divide
-    the count, 2 tensor ranks where 2 do, else the 1-D FSDP control."""
+    """Solution 17's mesh for ``num_gpus`` GPUs: 2 stages x 2 context x 2 tensor ranks (data ranks: the rest) where
+    8 divide the count, 2 stages x 2 tensor ranks where 4 do, 2 tensor ranks where 2 do, else the 1-D FSDP control;
+    a global batch of 8 sequences per GPU, so that every data rank's share splits into the 2 micro-batches."""
+    batch = ["--batch-size", str(8 * num_gpus)]
+    if num_gpus % 8 == 0:
+        return ["--pp", "2", "--cp", "2", "--tp", "2", *batch]
     if num_gpus % 4 == 0:
-        return ["--pp", "2", "--tp", "2"]
-    return ["--tp", "2"] if num_gpus % 2 == 0 else ["--control"]
+        return ["--pp", "2", "--tp", "2", *batch]
+    return ["--tp", "2", *batch] if num_gpus % 2 == 0 else ["--control", *batch]
 
 
 def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[Step]:
@@ -210,7 +214,7 @@ def plan(num_gpus: int, cpu_cores: int, out_dir: Path, scratch: Path) -> list[St
             120,
         ),
         Step(
-            "17: the GPT on a pipeline x data x tensor mesh of the GPUs (1-D FSDP on an odd count)",
+            "17: the GPT on a pipeline x data x context x tensor mesh of the GPUs (1-D FSDP on an odd count)",
             "solutions",
             [*torchrun, "solutions/17_composition.py", *composition_mesh(num_gpus), "--steps", "5"],
             120,

@@ -57,6 +57,19 @@ def test_the_plan_runs_every_solution_and_each_command_parses_with_its_own_scrip
     assert gpu_check.plan(1, 2, tmp_path, tmp_path)[-1].command[3:6] == ["1", "2", "--cpu"]
 
 
+@pytest.mark.parametrize("num_gpus", [1, 2, 3, 4, 6, 8, 16])
+def test_solution_17s_mesh_fits_every_gpu_count_before_any_gpu_runs_it(num_gpus):
+    from common.parallelize import check_degrees
+
+    solution = load_script(REPO / "solutions" / "17_composition.py")
+    args = solution.parse_args(gpu_check.composition_mesh(num_gpus))
+    pp, dp, cp, tp = solution.degrees(args, num_gpus)
+    assert (num_gpus < 8 or cp == 2) and (num_gpus % 2 or tp == 2)  # 8 GPUs: every dim the solution has
+    shapes = dict(num_layers=args.layers, num_heads=args.heads, d_model=args.d_model, context=args.context)
+    shapes |= dict(vocab_size=256, batch_size=args.batch_size, microbatches=args.microbatches)
+    check_degrees(pp, dp, tp, num_gpus, args.replicas, cp, **shapes)  # raises, saying why, where it does not fit
+
+
 def test_the_dry_run_lists_the_steps_and_runs_nothing(tmp_path):
     run = subprocess.run(
         [sys.executable, REPO / "scripts/gpu_check.py", "--dry-run", "--gpus", "4", "--results", tmp_path],
