@@ -120,12 +120,14 @@ def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP shards over: the data ranks, and the context ranks with them when ``cp`` > 1 (``dp_shard``
     and ``cp`` flattened into one dim, ``"dp_shard_cp"``, as torchtitan does). 1-D with one replica, else 2-D
     (``"dp_replicate"`` first), on which ``fully_shard`` is HSDP."""
-    shard = mesh["dp_shard"]
-    if mesh["cp"].size() > 1:  # the cp ranks hold the same weights: one FSDP group with the data ranks
-        shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # torch 2.14 has no public name; created once
-    if mesh["dp_replicate"].size() == 1:
-        return shard
-    return DeviceMesh._concatenate([mesh["dp_replicate"], shard])  # ("dp_replicate", "dp_shard[_cp]")
+    replicated = mesh["dp_replicate"].size() > 1
+    if mesh["cp"].size() == 1:
+        return mesh["dp_replicate", "dp_shard"] if replicated else mesh["dp_shard"]
+    # the cp ranks hold the same weights: one FSDP group with the data ranks. Flattening has no public name in
+    # torch 2.14 (torchtitan calls the same); slicing "dp_shard_cp" back out of the root mesh is deprecated there,
+    # so HSDP joins the two 1-D meshes instead.
+    shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return DeviceMesh._concatenate([mesh["dp_replicate"], shard]) if replicated else shard
 
 
 def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
