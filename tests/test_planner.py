@@ -41,7 +41,7 @@ from tests.conftest import PYTHON, REPO, load_script
 
 GPT_CONFIG = dict(context=32, d_model=32, num_heads=4, num_layers=2, dropout=0.1)
 BATCH = 4
-SMALL_GPT = Model("small gpt", 2, 32, 4, 256, 32, dropout=True, biases=True, learned_positions=True)
+SMALL_GPT = gpt_model(256, 32, 32, 4, 2, dropout=0.1)  # GPT_CONFIG as the planner sees it
 # One CPU process: the memory is not the point here; masks in the activations' dtype, as on a CPU (lesson 13).
 ONE_CPU = Cluster("one CPU process", 1, 1, 1e9, 1e11, 0, 0, 0, 0, mask_bytes=None)
 
