@@ -22,6 +22,9 @@ any other group crosses the inter-node link, which is then its bottleneck.
 ``measured_cluster`` prices a machine from what it measured: ``benchmarks/planner_check.py`` builds one for 2 emulated
 nodes of 2 CPU processes and sets the planner's predictions beside measured step times and memory.
 
+Every collective call also pays the cluster's fixed ``call_overhead`` (``collective_calls`` counts them as torch's
+FSDP2, DTensor and pipelining make them): on the CPU machine it is milliseconds and dominates a small model.
+
 What the model leaves out, on purpose (``NOTES`` prints it under every table): overlap of communication with
 compute (every collective is counted as exposed, so the predicted step is an upper bound on what communication
 costs), kernel efficiency (the compute rate is the device's peak: real kernels reach 30-60% of it, so predicted
@@ -234,6 +237,8 @@ def problems(model: Model, cluster: Cluster, training: Training, config: Config)
         found.append(f"schedule must be one of {SCHEDULES}, not {config.schedule!r}")
     if config.replicas < 1 or config.dp % config.replicas:
         found.append(f"{config.replicas} HSDP replicas do not divide dp {config.dp}")
+    elif config.replicas > 1 and config.zero != 3:
+        found.append(f"HSDP replicas are FSDP's (ZeRO-3), not ZeRO-{config.zero}'s")
     return found
 
 

@@ -318,6 +318,8 @@ def test_hsdp_shards_inside_a_replica_and_all_reduces_across_replicas():
     assert sharded_parameters(WIDE, hsdp) == device_parameters(WIDE, hsdp) / 4
     with pytest.raises(ValueError, match="3 HSDP replicas do not divide dp 8"):
         predict_memory(WIDE, cluster, training, Config(dp=8, micro_batch=1, zero=3, replicas=3))
+    with pytest.raises(ValueError, match="HSDP replicas are FSDP's"):
+        predict_memory(WIDE, cluster, training, Config(dp=8, micro_batch=1, zero=2, replicas=2))
 
 
 def counted_fsdp_calls(env):
