@@ -22,6 +22,9 @@ any other group crosses the inter-node link, which is then its bottleneck.
 ``measured_cluster`` prices a machine from what it measured: ``benchmarks/planner_check.py`` builds one for 2 emulated
 nodes of 2 CPU processes and sets the planner's predictions beside measured step times and memory.
 
+Every collective call also pays the cluster's fixed ``call_overhead`` (``collective_calls`` counts them as torch's
+FSDP2, DTensor and pipelining make them): on the CPU machine it is milliseconds and dominates a small model.
+
 What the model leaves out, on purpose (``NOTES`` prints it under every table): overlap of communication with
 compute (every collective is counted as exposed, so the predicted step is an upper bound on what communication
 costs), kernel efficiency (the compute rate is the device's peak: real kernels reach 30-60% of it, so predicted
@@ -39,14 +42,16 @@ from common.pipeline import bubble_fraction_formula
 from common.tensor_parallel import mlp_all_reduce_bytes
 
 MESH_ORDER = ("pp", "dp", "cp", "tp")  # outermost to innermost, as torchtitan's ParallelDims builds its mesh
+LAYOUT = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the same, with HSDP's replicas outside the shards
 RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe")  # lesson 11: 1F1B holds at most p micro-batches' activations, GPipe all m of them
 ZERO_STAGES = (0, 1, 2, 3)
 VALUE_BYTES = {"fp32": 4, "mixed": 2}  # bytes of one activation value: fp32, or bf16/fp16 under mixed precision
 NOTES = (
     "What this prediction ignores: communication overlapped with compute (all of it is counted as exposed);",
     "kernel efficiency (compute at the device's peak FLOP/s: real steps reach 30-60% of it, MFU);",
     "stragglers, network contention and congestion; the allocator's fragmentation and the framework's buffers;",
-    "FSDP's re-gathers per micro-batch; the end stages' unequal compute; interleaved schedules (1F1B only).",
+    "the framework's work per operation (DTensor's dispatch); the end stages' unequal compute; interleaved schedules.",
 )
 
 
@@ -102,13 +107,23 @@ class Model:
         return self.layers * self.layer_parameters() + self.embedding_parameters() + self.head_parameters()
 
 
+def gpt_model(vocab_size: int, context: int, d_model: int, num_heads: int, num_layers: int, dropout: float = 0.0):
+    """The course's GPT (``common.gpt.GPT``, its arguments in its order) as the planner's ``Model``: GPT-2's
+    shapes, biases on the linears and the norms, a learned position table, an MLP 4 times as wide."""
+    return Model(f"GPT {num_layers} x {d_model}", num_layers, d_model, num_heads, vocab_size, context,
+                 dropout=dropout > 0, biases=True, learned_positions=True)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Cluster:
     """``nodes`` machines of ``devices_per_node`` devices, each with ``memory_bytes`` and a compute rate of ``flops``
     (FLOP/s at the training precision). Links as lesson 09's alpha-beta model: a message of n bytes takes
     ``alpha + beta n`` seconds, ``intra_*`` inside a node, ``inter_*`` between nodes (each device's own share of
     the inter-node network). ``mask_bytes``: the bytes of one dropout-mask value (1 on a GPU; None: the
-    activations' own dtype, as on a CPU, lesson 13)."""
+    activations' own dtype, as on a CPU, lesson 13). ``call_overhead``: seconds that every collective call costs
+    on top of the link's alpha, the framework's fixed work per call (FSDP2's copy-in and copy-out and its hooks,
+    gloo's dispatch from Python), which a fit of one bare all-reduce does not see: measured on the CPU machine
+    (``benchmarks/planner_check.py``), 0 in the H100 presets, whose alphas are all the course has a source for."""
 
     name: str
     devices_per_node: int
@@ -120,6 +135,7 @@ class Cluster:
     inter_alpha: float
     inter_beta: float
     mask_bytes: int | None = 1
+    call_overhead: float = 0.0
 
     @property
     def devices(self) -> int:
@@ -138,9 +154,11 @@ class Training:
 
 @dataclass(frozen=True)
 class Config:
-    """One way to train: degrees ``dp`` (data), ``tp`` (tensor, with sequence parallelism), ``pp`` (pipeline, 1F1B),
+    """One way to train: degrees ``dp`` (data), ``tp`` (tensor, with sequence parallelism), ``pp`` (pipeline),
     ``cp`` (context); ``micro_batch`` sequences per micro-batch, ``micro_batches`` of them per step and data-parallel
-    rank; ``recompute`` (``RECOMPUTE``); ``zero``, the ZeRO stage over the data and context ranks (3 = FSDP)."""
+    rank; ``recompute`` (``RECOMPUTE``); ``zero``, the ZeRO stage over the data and context ranks (3 = FSDP);
+    ``replicas``: HSDP, the ``dp`` ranks as ``replicas`` copies of a ZeRO group of ``dp / replicas`` (x ``cp``)
+    ranks, the replicas outermost as torchtitan's ``dp_replicate``; ``schedule`` (``SCHEDULES``), the pipeline's."""
 
     dp: int = 1
     tp: int = 1
@@ -150,14 +168,23 @@ class Config:
     micro_batches: int = 1
     recompute: str = "none"
     zero: int = 0
+    replicas: int = 1
+    schedule: str = "1f1b"
 
     def degrees(self) -> dict:
         return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
 
+    @property
+    def shard_group(self) -> int:
+        """The ranks that ZeRO shards the model state over: the data and context ranks of one replica."""
+        return self.dp // self.replicas * self.cp
+
     def describe(self) -> str:
+        hsdp = f" hsdp{self.replicas}" if self.replicas > 1 else ""
+        schedule = f" {self.schedule}" if self.schedule != "1f1b" and self.pp > 1 else ""
         return (
             f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} mb{self.micro_batch}x{self.micro_batches} "
-            f"{self.recompute} zero{self.zero}"
+            f"{self.recompute} zero{self.zero}{hsdp}{schedule}"
         )
 
 
@@ -206,6 +233,12 @@ def problems(model: Model, cluster: Cluster, training: Training, config: Config)
         found.append(f"recompute must be one of {RECOMPUTE}, not {config.recompute!r}")
     if config.zero not in ZERO_STAGES:
         found.append(f"zero must be one of {ZERO_STAGES}, not {config.zero!r}")
+    if config.schedule not in SCHEDULES:
+        found.append(f"schedule must be one of {SCHEDULES}, not {config.schedule!r}")
+    if config.replicas < 1 or config.dp % config.replicas:
+        found.append(f"{config.replicas} HSDP replicas do not divide dp {config.dp}")
+    elif config.replicas > 1 and config.zero != 3:
+        found.append(f"HSDP replicas are FSDP's (ZeRO-3), not ZeRO-{config.zero}'s")
     return found
 
 
@@ -265,6 +298,14 @@ def device_parameters(model: Model, config: Config) -> float:
     return max(end_blocks * model.layer_parameters() + ends, middle) / config.tp
 
 
+def sharded_parameters(model: Model, config: Config) -> float:
+    """Parameters the fullest device holds between steps: ``device_parameters`` (pp's stage, cut by tp), then,
+    under ZeRO-3 (FSDP), cut again over the shard group (``Config.shard_group``: the data ranks of one replica,
+    times the context ranks). ZeRO 0-2 keep every parameter of the stage whole."""
+    on_device = device_parameters(model, config)
+    return on_device / config.shard_group if config.zero == 3 else on_device
+
+
 def layer_activation_bytes(model: Model, micro_batch: int, seq: int, value_bytes: int, mask_bytes: int) -> dict:
     """What one block keeps for backward, on one device, before tensor parallelism: ``{"attention core": bytes that
     grow with the square of the sequence, "rest": the others}``. Lesson 13's formula term by term
@@ -302,7 +343,8 @@ def activation_bytes(model: Model, cluster: Cluster, training: Training, config:
     Around the blocks: the embedding's dropout mask (first stage); the final norm's input and statistics, the head's
     input and the loss's log-softmax over the vocabulary in fp32 (last stage; cut by tp as a vocabulary-parallel
     loss). Under 1F1B stage r holds ``min(m, p - r)`` micro-batches at once, the first ``min(m, p)``, the last
-    one (lesson 11): the fullest stage counts."""
+    one (lesson 11); under GPipe every stage holds all m, since every forward runs before any backward. The
+    fullest stage counts."""
     value = VALUE_BYTES[training.precision]
     mask = cluster.mask_bytes or value
     b, s, t = config.micro_batch, model.seq // config.cp, config.tp
@@ -317,6 +359,8 @@ def activation_bytes(model: Model, cluster: Cluster, training: Training, config:
     end = middle - (model.layers % p != 0)  # Llama 3's end stages hold one block fewer (``pipeline_divides``)
     if p == 1:
         stages = [(middle, embedding + loss, 1)]  # (blocks, around them, micro-batches held at once)
+    elif config.schedule == "gpipe":  # every stage holds all m micro-batches
+        stages = [(end, embedding, m), (end, loss, m)] + ([(middle, 0, m)] if p > 2 else [])
     else:  # stage r holds min(m, p - r): the first, the fullest middle one (r = 1) and the last are the candidates
         stages = [(end, embedding, min(m, p)), (end, loss, 1)] + ([(middle, 0, min(m, p - 1))] if p > 2 else [])
     blocks, around, count = max(stages, key=lambda stage: (stage[0] * kept + stage[1]) * stage[2])
@@ -336,13 +380,12 @@ def predict_memory(model: Model, cluster: Cluster, training: Training, config: C
 
     The model state is lesson 06's (``common.memory.zero_bytes_per_rank``: Adam's 16 bytes per parameter, fp32 or
     mixed, each part divided by the ZeRO group where the stage shards it), for the parameters a device holds after
-    tensor and pipeline parallelism (``device_parameters``); the ZeRO group is the data and context ranks together,
-    as torchtitan shards FSDP over ``dp_shard x cp``. Under ZeRO-3 two blocks' parameters are also held whole: the
-    one being computed and the next, prefetched. The activations are lesson 13's (``activation_bytes``)."""
+    tensor and pipeline parallelism (``device_parameters``); the ZeRO group is the data and context ranks of one
+    replica together (``Config.shard_group``), as torchtitan shards FSDP over ``dp_shard x cp``. Under ZeRO-3 two
+    blocks' parameters are also held whole: the one being computed and the next, prefetched. The activations are
+    lesson 13's (``activation_bytes``)."""
     check(model, cluster, training, config)
-    state = zero_bytes_per_rank(
-        device_parameters(model, config), config.dp * config.cp, config.zero, training.precision
-    )
+    state = zero_bytes_per_rank(device_parameters(model, config), config.shard_group, config.zero, training.precision)
     parts = {part: state[part] for part in ("parameters", "gradients", "optimizer")}
     if config.zero == 3:  # the block being computed and the one prefetched, gathered whole (lessons 06 and 08)
         parts["parameters"] += (
@@ -358,11 +401,14 @@ def predict_memory(model: Model, cluster: Cluster, training: Training, config: C
 def link(cluster: Cluster, config: Config, dims: tuple[str, ...]) -> tuple[float, float, str]:
     """``(alpha, beta, "intra" or "inter")`` of the link that a group over the mesh dimensions ``dims`` crosses.
 
-    The mesh is laid out in ``MESH_ORDER`` (tp innermost): a group's ranks are ``stride`` apart, where ``stride`` is
-    the product of the degrees inside its dimensions, and span ``stride x size`` consecutive ranks. When that span
-    fits in a node, the group stays inside it; otherwise it crosses nodes, and the slower link sets its pace."""
-    degrees = config.degrees()
-    inner = MESH_ORDER[max(MESH_ORDER.index(dim) for dim in dims) + 1 :]
+    The mesh is laid out in ``MESH_ORDER`` (tp innermost), with ``dp`` split into HSDP's ``dp_replicate`` outside
+    ``dp_shard`` (``LAYOUT``): a group's ranks are ``stride`` apart, where ``stride`` is the product of the degrees
+    inside its dimensions, and span ``stride x size`` consecutive ranks. When that span fits in a node, the group
+    stays inside it; otherwise it crosses nodes, and the slower link sets its pace."""
+    degrees = {"pp": config.pp, "dp_replicate": config.replicas, "dp_shard": config.dp // config.replicas}
+    degrees |= {"cp": config.cp, "tp": config.tp}
+    dims = tuple(part for dim in dims for part in (("dp_replicate", "dp_shard") if dim == "dp" else (dim,)))
+    inner = LAYOUT[max(LAYOUT.index(dim) for dim in dims) + 1 :]
     span = math.prod(degrees[dim] for dim in inner) * math.prod(degrees[dim] for dim in dims)
     if span <= cluster.devices_per_node:
         return cluster.intra_alpha, cluster.intra_beta, "intra"
@@ -386,10 +432,84 @@ def model_flops_per_token(model: Model) -> float:
     return 6 * model.num_parameters() + 12 * model.layers * model.seq * model.hidden
 
 
+def collective_calls(model: Model, config: Config) -> dict:
+    """Collective calls per optimizer step on a rank of the busiest stage, by part: ``{"tensor parallel", "context
+    parallel", "pipeline p2p", "data parallel", "total"}``. Each costs ``Cluster.call_overhead`` on top of its bytes.
+    The counts are those that torch's ``CommDebugMode`` counts in the composition (``benchmarks/planner_check.py``
+    sets them side by side for every mesh it runs).
+
+    - tensor parallel (with sequence parallelism), per block and micro-batch: an all-gather and a reduce-scatter
+      around the attention and around the MLP, in forward and again in backward (8; ``full`` recomputation repeats
+      forward's 4); per block and step, an all-reduce of each replicated norm parameter's gradient (2 norms, with
+      their biases if the model has them). On the first stage, per micro-batch, each embedding's output is
+      reduce-scattered along the sequence and its gradient gathered (2 per table). On the last, per micro-batch,
+      the head's input is gathered and its gradient reduce-scattered, and ``loss_parallel`` all-reduces 3 times
+      (the maximum, the sum of the exponentials, the target's logit); per step, the final norm's gradients.
+    - context parallel, per block and micro-batch: ``cp - 1`` ring steps in forward, twice as many in backward.
+    - pipeline: per micro-batch, one activation sent forward and one gradient sent back.
+    - data parallel, per FSDP unit (each block, and the root: the embeddings or the final norm and the head), as
+      torch's FSDP2 runs them (``fully_shard``, ``reshard_after_forward=True``; ``torch.distributed.pipelining``
+      defers gradient sync and resharding after backward to the last micro-batch): ZeRO-3 gathers each block in
+      every micro-batch's forward and once in backward, the root once (it stays gathered after forward), then
+      reduce-scatters each unit once; HSDP then all-reduces each unit's shard across the replicas. ZeRO-1/2
+      reduce-scatter and all-gather each unit once; ZeRO-0 all-reduces it once."""
+    m, p, norm = config.micro_batches, config.pp, 1 + int(model.biases)
+    middle = stage_layers(model, p)
+    end = middle - (model.layers % p != 0)  # ``pipeline_divides``: Llama 3's end stages hold one block fewer
+    embeddings = 1 + int(model.learned_positions)
+    # (blocks, TP calls per micro-batch around them, TP calls per step around them) of the first, last, middle stage
+    stages = [(end, 2 * embeddings, 0), (end, 2 + 3, norm)] if p > 1 else [(end, 2 * embeddings + 5, norm)]
+    stages += [(middle, 0, 0)] if p > 2 else []
+
+    def calls(blocks: int, around_per_micro_batch: int, around_per_step: int) -> dict:
+        tensor = 0
+        if config.tp > 1:
+            per_block = 8 + 4 * (config.recompute == "full")
+            tensor = (blocks * per_block + around_per_micro_batch) * m + blocks * 2 * norm + around_per_step
+        units = blocks + 1
+        if config.shard_group * config.replicas == 1:
+            data = 0
+        elif config.zero == 3:  # the gathers, then one reduce-scatter per unit, then HSDP's all-reduces
+            data = blocks * (m + 1) + 1 + units + units * (config.replicas > 1)
+        else:
+            data = units * (2 if config.zero else 1)
+        found = {"tensor parallel": tensor, "context parallel": blocks * 3 * (config.cp - 1) * m,
+                 "pipeline p2p": 2 * m if p > 1 else 0, "data parallel": data}  # fmt: skip
+        return {**found, "total": sum(found.values())}
+
+    return max((calls(*stage) for stage in stages), key=lambda found: found["total"])
+
+
+def data_parallel_seconds(model: Model, cluster: Cluster, training: Training, config: Config) -> float:
+    """Seconds of the data-parallel collectives of one step (``collective_calls``' data part), bytes and calls.
+
+    ZeRO-3 all-gathers each block's parameters m + 1 times and the root's once, then reduce-scatters the
+    gradients of all of them once, over the shard group; with HSDP replicas it also all-reduces the shard's
+    gradients across them. ZeRO 0-2 reduce the gradients once per step, a ring all-reduce (ZeRO 1-2:
+    reduce-scatter, then all-gather the updated parameters, the same bytes)."""
+    per_parameter = bytes_per_parameter(training.precision)
+    on_device = device_parameters(model, config)
+    calls = collective_calls(model, config)["data parallel"] * cluster.call_overhead
+    if config.zero != 3:
+        alpha, beta, _ = link(cluster, config, ("dp", "cp"))
+        reduced = ring_seconds("all_reduce", on_device * per_parameter["gradients"], config.dp * config.cp, alpha, beta)
+        return reduced + calls
+    alpha, beta, _ = link(cluster, config, ("dp_shard", "cp"))
+    blocks = stage_layers(model, config.pp) * model.layer_parameters() / config.tp
+    gathered = (config.micro_batches + 1) * blocks + (on_device - blocks)
+    shards = config.shard_group
+    seconds = ring_seconds("all_gather", gathered * per_parameter["parameters"], shards, alpha, beta)
+    seconds += ring_seconds("reduce_scatter", on_device * per_parameter["gradients"], shards, alpha, beta)
+    alpha, beta, _ = link(cluster, config, ("dp_replicate",))
+    shard_bytes = on_device / shards * per_parameter["gradients"]
+    return seconds + ring_seconds("all_reduce", shard_bytes, config.replicas, alpha, beta) + calls
+
+
 def predict_step_time(model: Model, cluster: Cluster, training: Training, config: Config) -> dict:
     """Seconds of one optimizer step, by part, and what they give: ``{"compute", "tensor parallel", "context
     parallel", "pipeline p2p", "bubble", "data parallel", "total", "tokens per second", "mfu"}``; the six parts
-    add up to the total.
+    add up to the total. Every collective costs its bytes (lesson 09's ring) and, per call, the cluster's
+    ``call_overhead`` (``collective_calls`` counts the calls).
 
     - compute: ``model_flops_per_token`` (``6 N``, plus the attention's scores), plus recomputation's extra
       forward (``full``: 2 N and the attention again; ``selective``: the attention core's ``4 s h`` per token and
@@ -400,11 +520,9 @@ def predict_step_time(model: Model, cluster: Cluster, training: Training, config
     - context parallel (ring attention, Liu et al. 2023; lesson 14): per block and micro-batch, ``cp - 1`` ring
       steps passing this rank's keys and values on in forward, and keys, values and their gradients in backward.
     - pipeline (lesson 11): ``(m + p - 1)`` slots of one micro-batch's work, of which ``p - 1`` idle
-      (``common.pipeline.bubble_fraction_formula``), each slot also sending an activation forward and a gradient
-      back to the neighbouring stage.
-    - data parallel (lessons 06 and 08): the gradients reduced over the data and context ranks once per step, a
-      ring all-reduce (ZeRO 0-2: reduce-scatter, then all-gather the updated parameters, the same bytes), or under
-      ZeRO-3 a reduce-scatter plus an all-gather of the parameters in forward and another in backward.
+      (``common.pipeline.bubble_fraction_formula``: 1F1B's and GPipe's alike), each slot also sending an
+      activation forward and a gradient back to the neighbouring stage.
+    - data parallel (lessons 06 and 08): ``data_parallel_seconds``, FSDP's gathers per micro-batch included.
 
     Every collective is exposed: none is overlapped with compute (``NOTES``)."""
     check(model, cluster, training, config)
@@ -416,33 +534,29 @@ def predict_step_time(model: Model, cluster: Cluster, training: Training, config
     compute = flops / cluster.flops / cluster.devices
     b, s, m, p = config.micro_batch, model.seq // config.cp, config.micro_batches, config.pp
     layers = stage_layers(model, p)
+    calls = {part: count / m * cluster.call_overhead for part, count in collective_calls(model, config).items()}
 
     alpha, beta, _ = link(cluster, config, ("tp",))
     activation = mlp_all_reduce_bytes(b, s, model.hidden, value)
     collectives = 4 + 2 * (config.recompute == "full")
     tensor = layers * collectives * ring_seconds("all_reduce", activation, config.tp, alpha, beta)
+    tensor += calls["tensor parallel"]
 
     alpha, beta, _ = link(cluster, config, ("cp",))
     kv_bytes = 2 * b * s * model.kv_dim * value / config.tp  # this rank's keys and values, its heads
     context = layers * 3 * (config.cp - 1) * (alpha + beta * kv_bytes) if config.cp > 1 else 0.0
+    context += calls["context parallel"]
 
     # pp is outermost, so the pp group spans every device: on several nodes some stage boundary crosses nodes, and
     # a micro-batch passes every boundary, so the slowest hop (inter-node) sets each slot's p2p cost
     alpha, beta, _ = link(cluster, config, ("pp",))
     p2p = 2 * (alpha + beta * b * s * model.hidden * value / config.tp) if p > 1 else 0.0
+    p2p += calls["pipeline p2p"]
 
     slot = compute / m + tensor + context + p2p  # one micro-batch's forward and backward on one stage
     pipeline = slot * (m + p - 1)
     bubble = pipeline * bubble_fraction_formula(p, m)
-
-    alpha, beta, _ = link(cluster, config, ("dp", "cp"))
-    group, per_parameter = config.dp * config.cp, bytes_per_parameter(training.precision)
-    on_device = device_parameters(model, config)
-    if config.zero == 3:
-        data = ring_seconds("reduce_scatter", on_device * per_parameter["gradients"], group, alpha, beta)
-        data += 2 * ring_seconds("all_gather", on_device * per_parameter["parameters"], group, alpha, beta)
-    else:
-        data = ring_seconds("all_reduce", on_device * per_parameter["gradients"], group, alpha, beta)
+    data = data_parallel_seconds(model, cluster, training, config)
 
     total = pipeline + data
     return {
@@ -497,6 +611,7 @@ def measured_cluster(
     inter_fit: dict,
     cores: int,
     share: float | None = None,
+    call_overhead: float = 0.0,
 ) -> Cluster:
     """A ``Cluster`` of CPU processes priced from what this machine measured (``benchmarks/planner_check.py``).
 
@@ -508,6 +623,8 @@ def measured_cluster(
       beta n (``ring_seconds``): the link's alpha is half the fitted one, its beta the fitted one.
     - Between nodes every device of a node sends at once in the meshes where each rank's group crosses nodes, so a
       device's share of the link (``Cluster``'s ``inter_*``) is 1 / ``devices_per_node`` of it: beta times that.
+
+    - ``call_overhead``: seconds per collective call beyond the link's alpha (``Cluster``), measured apart.
 
     Dropout masks take the activations' own dtype on a CPU (``mask_bytes=None``, lesson 13)."""
     share = min(1.0, cores / (devices_per_node * nodes)) if share is None else share
@@ -522,6 +639,7 @@ def measured_cluster(
         inter_alpha=inter_fit["alpha_s"] / 2,
         inter_beta=inter_fit["beta_s_per_byte"] * devices_per_node,
         mask_bytes=None,
+        call_overhead=call_overhead,
     )
 
 

@@ -4,6 +4,8 @@
 
 YOUR TASK: write the parts marked TODO below; the rest of this script and common/ are done for you.
 - in ``parallelize``: apply the four parallelisms in torchtitan's order
+- ``device_parameters``: the planner's parameters on the fullest rank: pp's stage, tp's cut, then FSDP's shards
+- ``sharded_parameters``: the planner's parameters on the fullest rank: pp's stage, tp's cut, then FSDP's shards
 Check your work with
 
     LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_17_composition.py
@@ -21,6 +23,11 @@ The proof (torchtitan's "converging" check): the same command with --dp equal to
 plain 1-D FSDP, the control. Both runs see the same batches in the same order from the same weights, so their
 losses per step, and the parameters they end with (--save FILE writes them, gathered whole, from rank 0), must
 agree to rounding. Dropout is off by default: its masks depend on how the work is cut.
+
+Before training it prints what the planner (lesson 16, section 3) says the fullest rank holds, beside what the
+ranks hold: the parameters of their local shards, the largest over all ranks. They agree to within 3%: the planner
+divides every parameter by tp, but tensor parallelism keeps the norms and the row-wise biases whole on each tensor
+rank, and FSDP cuts dim 0 into dp pieces, the first ones a row larger where dp does not divide it.
 
     # CPU, 4 processes (gloo): 2 data x 2 tensor ranks, then the 1-D FSDP control on the same 4
     torchrun --standalone --nproc_per_node=4 solutions/17_composition.py --dp 2 --tp 2
@@ -43,15 +50,18 @@ agree to rounding. Dropout is off by default: its masks depend on how the work i
     torchrun --standalone --nproc_per_node=8 solutions/17_composition.py --pp 2 --dp 2 --tp 2 \
         --d-model 512 --heads 8 --layers 8 --context 512 --batch-size 32 --steps 50
 
-labs/17_composition.py leaves the order in which the mesh is applied (common.parallelize.parallelize) to you.
+labs/17_composition.py leaves to you the order in which the mesh is applied (common.parallelize.parallelize), and
+the planner's formula for the parameters on the fullest rank (common.planner.device_parameters: pp's stage, cut by
+tp; common.planner.sharded_parameters: then cut by FSDP's shards).
 """
 
 import time
 
 import torch
+import torch.distributed as dist
 
 from common.checkpoint import atomic_write
-from common.cli import argument_parser, positive_float, positive_int
+from common.cli import argument_parser, options_line, positive_float, positive_int
 from common.distributed import BACKENDS, is_main, print0, process_group, set_seed
 from common.gpt import GPT
 from common.parallelize import (
@@ -64,9 +74,11 @@ from common.parallelize import (
     make_mesh,
     make_schedule,
 )
+from common.planner import Config, gpt_model
 from common.text import load_text
 # What the functions you write below use:
 from common.parallelize import apply_context_parallel, apply_fsdp, apply_tensor_parallel, data_mesh, pipeline_split
+from common.planner import Model, stage_layers
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -79,6 +91,27 @@ def parallelize(gpt: GPT, mesh: DeviceMesh) -> tuple[GPT, int]:
     # (mesh["tp"].size()); a stage's index is its rank on the pp dim: mesh["pp"].get_local_rank()
     raise NotImplementedError("TODO: apply the four parallelisms in torchtitan's order")
     return gpt, first_block
+
+
+def device_parameters(model: Model, config: Config) -> float:
+    """Parameters on the fullest device before ZeRO, cut by tp (the linears by Megatron's rule, lesson 12; the
+    embedding and the head by the vocabulary; the norms, which tensor parallelism replicates, too: a small error).
+    With pp = 1 all of them; otherwise the fuller of an end stage (its blocks and the embedding or the head,
+    whichever is larger) and a middle stage (``stage_layers`` blocks; Llama 3's end stages hold one fewer)."""
+    # TODO: the planner's parameters on the fullest rank: pp's stage, tp's cut, then FSDP's shards
+    # lesson 16, section 3; the module's Model.layer_parameters(), embedding_parameters(), head_parameters() and
+    # stage_layers() give the pieces; Config.shard_group is the ranks FSDP shards over
+    raise NotImplementedError("TODO: device_parameters")
+
+
+def sharded_parameters(model: Model, config: Config) -> float:
+    """Parameters the fullest device holds between steps: ``device_parameters`` (pp's stage, cut by tp), then,
+    under ZeRO-3 (FSDP), cut again over the shard group (``Config.shard_group``: the data ranks of one replica,
+    times the context ranks). ZeRO 0-2 keep every parameter of the stage whole."""
+    # TODO: the planner's parameters on the fullest rank: pp's stage, tp's cut, then FSDP's shards
+    # lesson 16, section 3; the module's Model.layer_parameters(), embedding_parameters(), head_parameters() and
+    # stage_layers() give the pieces; Config.shard_group is the ranks FSDP shards over
+    raise NotImplementedError("TODO: sharded_parameters")
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -127,7 +160,7 @@ def degrees(args, world_size: int) -> tuple[int, int, int, int]:
 
 
 def train(args, env):
-    print0(f"{env.summary} | " + " ".join(f"--{key.replace('_', '-')}={value}" for key, value in vars(args).items()))
+    print0(f"{env.summary} | {options_line(args)}")
     pp, dp, cp, tp = degrees(args, env.world_size)
     shapes = dict(num_layers=args.layers, num_heads=args.heads, d_model=args.d_model, context=args.context)
     shapes |= dict(vocab_size=256, batch_size=args.batch_size, microbatches=args.microbatches)
@@ -142,6 +175,13 @@ def train(args, env):
     gpt = gpt.to(env.device, DTYPES[args.dtype])
     print0(f"GPT: {sum(p.numel() for p in gpt.parameters()):,} parameters; text: {text.source}")
     model, first_block = parallelize(gpt, mesh)
+    held = parameters_held(model, env.device)
+    planned = gpt_model(text.vocab_size, args.context, args.d_model, args.heads, args.layers, args.dropout)
+    config = Config(dp=dp, tp=tp, pp=pp, cp=cp, zero=3, replicas=replicas)
+    predicted = sharded_parameters(planned, config)
+    print0(f"parameters on the fullest rank: {held:,} held; the planner: {device_parameters(planned, config):,.0f} "
+           f"after pp and tp, {predicted:,.0f} once FSDP shards them over {config.shard_group} rank(s) "
+           f"({held / predicted - 1:+.1%})")  # fmt: skip
     schedule = make_schedule(model, mesh, args.microbatches, env.device)
     optimizer = OPTIMIZERS[args.optimizer](model.parameters(), lr=args.lr, foreach=False)  # after: the shards
 
@@ -167,7 +207,15 @@ def train(args, env):
             "parameters": parameters,
         }
         atomic_write(args.save, lambda file: torch.save(record, file))  # read back with weights_only=True
-    return {"losses": losses, "parameters": parameters}
+    return {"losses": losses, "parameters": parameters, "held parameters": (held, predicted)}
+
+
+def parameters_held(model, device) -> int:
+    """The parameters of this rank's local shards (a DTensor's ``to_local()``), the largest over all ranks."""
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    largest = torch.tensor([local], device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # every rank takes part; gloo and NCCL both have MAX
+    return int(largest.item())
 
 
 if __name__ == "__main__":

@@ -115,6 +115,8 @@ def control_and_counted_mesh(env, mesh: list[str]) -> dict:
 def test_context_parallelism_runs_the_ring_over_the_cp_ranks_and_trains_the_same_model_as_fsdp():
     ranks = run_on_ranks(control_and_counted_mesh, 4, MESHES_OF_4["cp2-tp2"], timeout=80)
     assert_converging([ranks[0]["control"], ranks[0]["mesh"]], ["cp2-tp2"], FLOAT64_TOLERANCE)
+    held, predicted = ranks[0]["mesh"]["held parameters"]  # FSDP shards over dp x cp: 2 ranks, not 1
+    assert held == pytest.approx(predicted, rel=0.03), (held, predicted)
 
     # The ring's messages, on every rank: per step and block one key/value block forward, one more and two
     # gradient blocks backward (ring_messages). Each holds this rank's 2 of 4 heads (tp 2) at 16 of the 32

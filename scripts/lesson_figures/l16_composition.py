@@ -86,7 +86,8 @@ def losses(path: Path) -> None:
 
 
 def planner_check(path: Path) -> None:
-    """Predicted against measured: step time and peak memory per configuration, the error over each pair."""
+    """Predicted against measured: step time (and the prediction without the per-call overhead) and peak memory
+    per configuration, the error over each pair."""
     rows = json.loads(CHECK.read_text())["rows"]
     names = [row["config"] for row in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -96,6 +97,10 @@ def planner_check(path: Path) -> None:
         measured = [row[f"measured_{key}"] * scale for row in rows]
         axes.bar([p - 0.2 for p in positions], predicted, 0.4, label="predicted", color=COMPUTE, ec="black")
         axes.bar([p + 0.2 for p in positions], measured, 0.4, label="measured", color=COMMUNICATE, ec="black")
+        if key == "seconds":  # the part of each prediction that the per-call overhead adds, outlined
+            without = [row["predicted_seconds_without_call_overhead"] * scale for row in rows]
+            axes.bar([p - 0.2 for p in positions], without, 0.4, label="predicted without the call overhead",
+                     color=tint(COMPUTE, 0.5), ec="black", hatch="//")  # fmt: skip
         errors = [row["time_error" if key == "seconds" else "memory_error"] for row in rows]
         for p, error, top in zip(positions, errors, map(max, predicted, measured)):
             axes.text(p, top * 1.02, f"{error:+.0%}", ha="center", fontsize=8, color="red" * (abs(error) > 0.25)
