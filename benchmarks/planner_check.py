@@ -23,8 +23,9 @@ and sets what it measured beside what the planner predicts for the same mesh:
   local shards of parameters, gradients and AdamW's states) plus the bytes autograd saves for backward during one
   step's forward passes (every micro-batch's: the schedule is GPipe, all forwards before any backward), parameters
   left out. Those are the planner's four parts, part by part. Process RSS is not used: Python and PyTorch's ~300
-  MB would hide a model of a few MB. What the planner leaves out (FSDP's gathered blocks while a block computes,
-  communication buffers, the allocator) is left out of the measurement too; the largest rank counts.
+  MB would hide a model of a few MB. Taken after the step, the measurement cannot see FSDP's gathered blocks, which
+  the planner adds under ZeRO-3 (two whole blocks, ``predict_memory``): the FSDP meshes' prediction is that much
+  high. Communication buffers and the allocator are left out of both. The largest rank counts.
 
 The tokens are random (the same global batch on every rank, from the step): time and memory do not depend on them.
 Every process runs one thread (OMP_NUM_THREADS=1). The planner prices each mesh as the composition runs it: ZeRO-3,

@@ -57,7 +57,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from common.context_parallel import ring_attend, shard_positions
 from common.distributed import ConfigurationError
 from common.gpt import GPT, next_token_loss
-from common.pipeline import stage_bounds
+from common.pipeline import transformer_stage_blocks
 from common.sequence_parallel import parallelize_gpt
 
 # Outermost to innermost: the pipeline's messages cross the slowest links, tensor parallelism's the fastest. The data
@@ -151,12 +151,15 @@ def context_share(sequences: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 def pipeline_split(gpt: GPT, stage: int, num_stages: int) -> tuple[GPT, int]:
-    """``gpt`` cut to pipeline stage ``stage`` of ``num_stages`` (``common.pipeline.stage_bounds``: contiguous
-    blocks, balanced by count), and the index of its first block in the whole model. The first stage keeps the
+    """``gpt`` cut to pipeline stage ``stage`` of ``num_stages`` (contiguous blocks, as many as
+    ``common.pipeline.transformer_stage_blocks`` gives it: the planner's layout, Llama 3's lighter end stages when
+    the blocks do not divide evenly), and the index of its first block in the whole model. The first stage keeps the
     embeddings, the last the final norm and the head; what a stage lacks becomes ``None``, which ``GPT.forward``
     reads as "activations in" or "activations out". Every rank builds the whole model first (the same seed, the
     same weights as the control), then drops what its stage does not hold, as torchtitan does."""
-    start, stop = stage_bounds(len(gpt.blocks), num_stages)[stage]
+    sizes = transformer_stage_blocks(len(gpt.blocks), num_stages)
+    start = sum(sizes[:stage])
+    stop = start + sizes[stage]
     gpt.blocks = nn.ModuleList(gpt.blocks[start:stop])  # renumbered from 0: names map back with ``start``
     if stage > 0:
         gpt.token = gpt.position = None

@@ -69,6 +69,25 @@ def stage_bounds(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def transformer_stage_blocks(num_blocks: int, num_stages: int) -> list[int]:
+    """How many of a transformer's ``num_blocks`` blocks each of ``num_stages`` pipeline stages holds, first to last.
+    The first stage also holds the embeddings and the last the final norm and the head, so Llama 3's rule applies
+    (Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2: 126 layers on 16 stages, 7 + 14 x 8 + 7):
+
+    - ``num_stages`` divides ``num_blocks``: every stage holds ``num_blocks / num_stages``;
+    - else, when ``num_stages`` > 2 divides ``num_blocks + 2``: the two end stages hold one block fewer, which leaves
+      room for the embeddings and the head (6 blocks on 4 stages: 1, 2, 2, 1), as long as they keep a block;
+    - else ``stage_bounds``' count balance, the first stages one block more (5 on 4: 2, 1, 1, 1).
+
+    The one layout of the course's GPT: ``common.parallelize.pipeline_split`` cuts by it, and the planner
+    (``common.planner``, which prices only the first two cases) counts by it."""
+    balanced = [stop - start for start, stop in stage_bounds(num_blocks, num_stages)]  # a ValueError for bad input
+    middle, spare = divmod(num_blocks + 2, num_stages)
+    if num_blocks % num_stages and num_stages > 2 and spare == 0 and middle >= 2:
+        return [middle - 1] + [middle] * (num_stages - 2) + [middle - 1]
+    return balanced
+
+
 def deep_mlp_layers(model) -> list[nn.Module]:
     """``common.models.DeepMLP``'s layers in the order its forward runs them: the stem, each block, the head.
 

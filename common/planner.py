@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from common.activations import activation_bytes_per_layer
 from common.memory import bytes_per_parameter, zero_bytes_per_rank
-from common.pipeline import bubble_fraction_formula
+from common.pipeline import bubble_fraction_formula, transformer_stage_blocks
 from common.tensor_parallel import mlp_all_reduce_bytes
 
 MESH_ORDER = ("pp", "dp", "cp", "tp")  # outermost to innermost, as torchtitan's ParallelDims builds its mesh
@@ -279,23 +279,31 @@ def enumerate_configs(
 # -- memory -----------------------------------------------------------------------------------------------------------
 
 
+def stage_blocks(model: Model, pp: int) -> list[int]:
+    """The blocks of each pipeline stage, first to last: ``common.pipeline.transformer_stage_blocks``, the layout
+    that ``common.parallelize.pipeline_split`` cuts the course's GPT by (Llama 3's: when ``pp`` does not divide the
+    layers, the end stages hold one block fewer, 6 blocks on 4 stages 1, 2, 2, 1)."""
+    return transformer_stage_blocks(model.layers, pp)
+
+
 def stage_layers(model: Model, pp: int) -> int:
-    """The blocks on the fullest pipeline stage (``pipeline_divides``)."""
-    return math.ceil(model.layers / pp)
+    """The blocks on the fullest pipeline stage (``stage_blocks``)."""
+    return max(stage_blocks(model, pp))
 
 
 def device_parameters(model: Model, config: Config) -> float:
     """Parameters on the fullest device before ZeRO, cut by tp (the linears by Megatron's rule, lesson 12; the
     embedding and the head by the vocabulary; the norms, which tensor parallelism replicates, too: a small error).
-    With pp = 1 all of them; otherwise the fuller of an end stage (its blocks and the embedding or the head,
-    whichever is larger) and a middle stage (``stage_layers`` blocks; Llama 3's end stages hold one fewer)."""
-    if config.pp == 1:
-        return model.num_parameters() / config.tp
-    blocks = stage_layers(model, config.pp)
-    end_blocks = blocks - (model.layers % config.pp != 0)
-    ends = max(model.embedding_parameters(), model.head_parameters())
-    middle = blocks * model.layer_parameters() if config.pp > 2 else 0
-    return max(end_blocks * model.layer_parameters() + ends, middle) / config.tp
+    Each stage holds its blocks (``stage_blocks``), the first also the embeddings, the last the final norm and the
+    head; with pp = 1 the one stage holds all of them. The fullest stage counts."""
+    blocks, last = stage_blocks(model, config.pp), config.pp - 1
+    held = [
+        count * model.layer_parameters()
+        + (stage == 0) * model.embedding_parameters()
+        + (stage == last) * model.head_parameters()
+        for stage, count in enumerate(blocks)
+    ]
+    return max(held) / config.tp
 
 
 def sharded_parameters(model: Model, config: Config) -> float:
@@ -355,14 +363,14 @@ def activation_bytes(model: Model, cluster: Cluster, training: Training, config:
     embedding = mask * sbh / t if model.dropout else 0
     loss = (2 * value * sbh + 8 * b * s + 4 * b * s * model.vocab) / t
     m, p = config.micro_batches, config.pp
-    middle = stage_layers(model, p)
-    end = middle - (model.layers % p != 0)  # Llama 3's end stages hold one block fewer (``pipeline_divides``)
-    if p == 1:
-        stages = [(middle, embedding + loss, 1)]  # (blocks, around them, micro-batches held at once)
-    elif config.schedule == "gpipe":  # every stage holds all m micro-batches
-        stages = [(end, embedding, m), (end, loss, m)] + ([(middle, 0, m)] if p > 2 else [])
-    else:  # stage r holds min(m, p - r): the first, the fullest middle one (r = 1) and the last are the candidates
-        stages = [(end, embedding, min(m, p)), (end, loss, 1)] + ([(middle, 0, min(m, p - 1))] if p > 2 else [])
+
+    def stage(r: int, blocks: int) -> tuple:  # (blocks, around them, micro-batches held at once) of stage r
+        around = embedding * (r == 0) + loss * (r == p - 1)
+        if p == 1:  # gradient accumulation: one micro-batch at a time
+            return blocks, around, 1
+        return blocks, around, m if config.schedule == "gpipe" else min(m, p - r)  # GPipe holds all m
+
+    stages = [stage(r, blocks) for r, blocks in enumerate(stage_blocks(model, p))]
     blocks, around, count = max(stages, key=lambda stage: (stage[0] * kept + stage[1]) * stage[2])
     buffer = whole if config.recompute == "full" else 0
     return {
@@ -445,48 +453,59 @@ def collective_calls(model: Model, config: Config) -> dict:
       reduce-scattered along the sequence and its gradient gathered (2 per table). On the last, per micro-batch,
       the head's input is gathered and its gradient reduce-scattered, and ``loss_parallel`` all-reduces 3 times
       (the maximum, the sum of the exponentials, the target's logit); per step, the final norm's gradients.
-    - context parallel, per block and micro-batch: ``cp - 1`` ring steps in forward, twice as many in backward.
-    - pipeline: per micro-batch, one activation sent forward and one gradient sent back.
+    - context parallel (``common.context_parallel.ring_messages``), per block and micro-batch: ``cp - 1`` ring
+      steps in forward, each passing on a key/value block; in backward ``cp - 1`` steps of key/value blocks again
+      and ``cp`` of their gradients, the last one bringing each rank its own: ``3 cp - 2`` steps, each one grouped
+      send and receive.
+    - pipeline: per micro-batch, each neighbour stage's activation or gradient received and this stage's sent, one
+      point-to-point call each: 2 on an end stage (an activation sent, a gradient received, or the other way), 4 on
+      a middle stage.
     - data parallel, per FSDP unit (each block, and the root: the embeddings or the final norm and the head), as
-      torch's FSDP2 runs them (``fully_shard``, ``reshard_after_forward=True``; ``torch.distributed.pipelining``
-      defers gradient sync and resharding after backward to the last micro-batch): ZeRO-3 gathers each block in
-      every micro-batch's forward and once in backward, the root once (it stays gathered after forward), then
-      reduce-scatters each unit once; HSDP then all-reduces each unit's shard across the replicas. ZeRO-1/2
-      reduce-scatter and all-gather each unit once; ZeRO-0 all-reduces it once."""
+      torch's FSDP2 runs them (``fully_shard``, ``reshard_after_forward=True``; the root stays gathered after its
+      forward). Under a pipeline (``torch.distributed.pipelining`` turns FSDP's resharding after backward and its
+      gradient sync off for every micro-batch but the last), ZeRO-3 gathers each block in every micro-batch's
+      forward and once in backward, the root once, then reduce-scatters each unit once. Without a pipeline,
+      gradient accumulation runs FSDP2's defaults: every micro-batch gathers each block in forward and again in
+      backward, the root once, and reduce-scatters every unit. HSDP then all-reduces each unit's shard across the
+      replicas, after each reduce-scatter. ZeRO-1/2 reduce-scatter and all-gather each unit once per step; ZeRO-0
+      all-reduces it once (DDP's ``no_sync`` in gradient accumulation)."""
     m, p, norm = config.micro_batches, config.pp, 1 + int(model.biases)
-    middle = stage_layers(model, p)
-    end = middle - (model.layers % p != 0)  # ``pipeline_divides``: Llama 3's end stages hold one block fewer
     embeddings = 1 + int(model.learned_positions)
-    # (blocks, TP calls per micro-batch around them, TP calls per step around them) of the first, last, middle stage
-    stages = [(end, 2 * embeddings, 0), (end, 2 + 3, norm)] if p > 1 else [(end, 2 * embeddings + 5, norm)]
-    stages += [(middle, 0, 0)] if p > 2 else []
 
-    def calls(blocks: int, around_per_micro_batch: int, around_per_step: int) -> dict:
+    def calls(stage: int, blocks: int) -> dict:
+        first, last = stage == 0, stage == p - 1
         tensor = 0
-        if config.tp > 1:
+        if config.tp > 1:  # around the blocks: the embeddings (first stage), the head and the loss (last stage)
             per_block = 8 + 4 * (config.recompute == "full")
-            tensor = (blocks * per_block + around_per_micro_batch) * m + blocks * 2 * norm + around_per_step
+            around_per_micro_batch = 2 * embeddings * first + (2 + 3) * last
+            tensor = (blocks * per_block + around_per_micro_batch) * m + blocks * 2 * norm + norm * last
         units = blocks + 1
         if config.shard_group * config.replicas == 1:
             data = 0
-        elif config.zero == 3:  # the gathers, then one reduce-scatter per unit, then HSDP's all-reduces
+        elif config.zero == 3 and p > 1:  # the gathers, then one reduce-scatter per unit, then HSDP's all-reduces
             data = blocks * (m + 1) + 1 + units + units * (config.replicas > 1)
+        elif config.zero == 3:  # the same for each micro-batch, each block gathered in its forward and backward
+            data = m * (blocks * 2 + 1 + units + units * (config.replicas > 1))
         else:
             data = units * (2 if config.zero else 1)
-        found = {"tensor parallel": tensor, "context parallel": blocks * 3 * (config.cp - 1) * m,
-                 "pipeline p2p": 2 * m if p > 1 else 0, "data parallel": data}  # fmt: skip
+        ring = blocks * (3 * config.cp - 2) * m if config.cp > 1 else 0
+        p2p = 2 * m * ((not first) + (not last))  # a receive and a send per neighbour and micro-batch
+        found = {"tensor parallel": tensor, "context parallel": ring, "pipeline p2p": p2p, "data parallel": data}
         return {**found, "total": sum(found.values())}
 
-    return max((calls(*stage) for stage in stages), key=lambda found: found["total"])
+    stages = stage_blocks(model, p)
+    return max((calls(stage, blocks) for stage, blocks in enumerate(stages)), key=lambda found: found["total"])
 
 
 def data_parallel_seconds(model: Model, cluster: Cluster, training: Training, config: Config) -> float:
     """Seconds of the data-parallel collectives of one step (``collective_calls``' data part), bytes and calls.
 
-    ZeRO-3 all-gathers each block's parameters m + 1 times and the root's once, then reduce-scatters the
-    gradients of all of them once, over the shard group; with HSDP replicas it also all-reduces the shard's
-    gradients across them. ZeRO 0-2 reduce the gradients once per step, a ring all-reduce (ZeRO 1-2:
-    reduce-scatter, then all-gather the updated parameters, the same bytes)."""
+    ZeRO-3 under a pipeline all-gathers each block's parameters m + 1 times and the root's once, then
+    reduce-scatters the gradients of all of them once, over the shard group; with HSDP replicas it also all-reduces
+    the shard's gradients across them. Without a pipeline, FSDP2's gradient accumulation does all of that for each
+    of the m micro-batches, each block gathered twice (``collective_calls``). ZeRO 0-2 reduce the gradients once
+    per step, a ring all-reduce (ZeRO 1-2: reduce-scatter, then all-gather the updated parameters, the same
+    bytes)."""
     per_parameter = bytes_per_parameter(training.precision)
     on_device = device_parameters(model, config)
     calls = collective_calls(model, config)["data parallel"] * cluster.call_overhead
@@ -496,13 +515,15 @@ def data_parallel_seconds(model: Model, cluster: Cluster, training: Training, co
         return reduced + calls
     alpha, beta, _ = link(cluster, config, ("dp_shard", "cp"))
     blocks = stage_layers(model, config.pp) * model.layer_parameters() / config.tp
-    gathered = (config.micro_batches + 1) * blocks + (on_device - blocks)
+    m, root = config.micro_batches, on_device - blocks
+    # under a pipeline, one gradient sync per step; without, FSDP2 syncs (and re-gathers in backward) every micro-batch
+    gathered, syncs = ((m + 1) * blocks + root, 1) if config.pp > 1 else (m * (2 * blocks + root), m)
     shards = config.shard_group
     seconds = ring_seconds("all_gather", gathered * per_parameter["parameters"], shards, alpha, beta)
-    seconds += ring_seconds("reduce_scatter", on_device * per_parameter["gradients"], shards, alpha, beta)
+    seconds += syncs * ring_seconds("reduce_scatter", on_device * per_parameter["gradients"], shards, alpha, beta)
     alpha, beta, _ = link(cluster, config, ("dp_replicate",))
     shard_bytes = on_device / shards * per_parameter["gradients"]
-    return seconds + ring_seconds("all_reduce", shard_bytes, config.replicas, alpha, beta) + calls
+    return seconds + syncs * ring_seconds("all_reduce", shard_bytes, config.replicas, alpha, beta) + calls
 
 
 def predict_step_time(model: Model, cluster: Cluster, training: Training, config: Config) -> dict:
@@ -518,7 +539,8 @@ def predict_step_time(model: Model, cluster: Cluster, training: Training, config
       forward and again in backward under sequence parallelism, the bytes of four all-reduces of the ``(b, s, h)``
       activation (``common.tensor_parallel.mlp_all_reduce_bytes``); ``full`` recomputation repeats forward's two.
     - context parallel (ring attention, Liu et al. 2023; lesson 14): per block and micro-batch, ``cp - 1`` ring
-      steps passing this rank's keys and values on in forward, and keys, values and their gradients in backward.
+      steps passing this rank's keys and values on in forward; in backward ``cp - 1`` more of keys and values and
+      ``cp`` of their gradients, each as large (``common.context_parallel.ring_messages``).
     - pipeline (lesson 11): ``(m + p - 1)`` slots of one micro-batch's work, of which ``p - 1`` idle
       (``common.pipeline.bubble_fraction_formula``: 1F1B's and GPipe's alike), each slot also sending an
       activation forward and a gradient back to the neighbouring stage.
@@ -544,7 +566,8 @@ def predict_step_time(model: Model, cluster: Cluster, training: Training, config
 
     alpha, beta, _ = link(cluster, config, ("cp",))
     kv_bytes = 2 * b * s * model.kv_dim * value / config.tp  # this rank's keys and values, its heads
-    context = layers * 3 * (config.cp - 1) * (alpha + beta * kv_bytes) if config.cp > 1 else 0.0
+    ring_steps = 3 * config.cp - 2  # forward cp - 1; backward cp - 1 key/value blocks and cp gradients
+    context = layers * ring_steps * (alpha + beta * kv_bytes) if config.cp > 1 else 0.0
     context += calls["context parallel"]
 
     # pp is outermost, so the pp group spans every device: on several nodes some stage boundary crosses nodes, and

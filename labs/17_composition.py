@@ -4,8 +4,8 @@
 
 YOUR TASK: write the parts marked TODO below; the rest of this script and common/ are done for you.
 - in ``parallelize``: apply the four parallelisms in torchtitan's order
-- ``device_parameters``: the planner's parameters on the fullest rank: pp's stage, tp's cut, then FSDP's shards
-- ``sharded_parameters``: the planner's parameters on the fullest rank: pp's stage, tp's cut, then FSDP's shards
+- ``device_parameters``: the parameters on the fullest pipeline stage, cut by tp (no FSDP yet)
+- ``sharded_parameters``: device_parameters, cut again by FSDP's shards under ZeRO-3 only
 Check your work with
 
     LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_17_composition.py
@@ -78,7 +78,7 @@ from common.planner import Config, gpt_model
 from common.text import load_text
 # What the functions you write below use:
 from common.parallelize import apply_context_parallel, apply_fsdp, apply_tensor_parallel, data_mesh, pipeline_split
-from common.planner import Model, stage_layers
+from common.planner import Model, stage_blocks
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -96,11 +96,12 @@ def parallelize(gpt: GPT, mesh: DeviceMesh) -> tuple[GPT, int]:
 def device_parameters(model: Model, config: Config) -> float:
     """Parameters on the fullest device before ZeRO, cut by tp (the linears by Megatron's rule, lesson 12; the
     embedding and the head by the vocabulary; the norms, which tensor parallelism replicates, too: a small error).
-    With pp = 1 all of them; otherwise the fuller of an end stage (its blocks and the embedding or the head,
-    whichever is larger) and a middle stage (``stage_layers`` blocks; Llama 3's end stages hold one fewer)."""
-    # TODO: the planner's parameters on the fullest rank: pp's stage, tp's cut, then FSDP's shards
-    # lesson 16, section 3; the module's Model.layer_parameters(), embedding_parameters(), head_parameters() and
-    # stage_layers() give the pieces; Config.shard_group is the ranks FSDP shards over
+    Each stage holds its blocks (``stage_blocks``), the first also the embeddings, the last the final norm and the
+    head; with pp = 1 the one stage holds all of them. The fullest stage counts."""
+    # TODO: the parameters on the fullest pipeline stage, cut by tp (no FSDP yet)
+    # lesson 16, section 3: stage_blocks() gives each stage's blocks (6 blocks on 4 stages: 1, 2, 2, 1), the first
+    # stage adds the embeddings, the last the final norm and the head; Model.layer_parameters(), embedding_parameters()
+    # and head_parameters() give the pieces
     raise NotImplementedError("TODO: device_parameters")
 
 
@@ -108,9 +109,8 @@ def sharded_parameters(model: Model, config: Config) -> float:
     """Parameters the fullest device holds between steps: ``device_parameters`` (pp's stage, cut by tp), then,
     under ZeRO-3 (FSDP), cut again over the shard group (``Config.shard_group``: the data ranks of one replica,
     times the context ranks). ZeRO 0-2 keep every parameter of the stage whole."""
-    # TODO: the planner's parameters on the fullest rank: pp's stage, tp's cut, then FSDP's shards
-    # lesson 16, section 3; the module's Model.layer_parameters(), embedding_parameters(), head_parameters() and
-    # stage_layers() give the pieces; Config.shard_group is the ranks FSDP shards over
+    # TODO: device_parameters, cut again by FSDP's shards under ZeRO-3 only
+    # Config.shard_group is the ranks FSDP shards over; ZeRO 0-2 (Config's default zero=0) keep the parameters whole
     raise NotImplementedError("TODO: sharded_parameters")
 
 

@@ -72,10 +72,16 @@ from common.parallelize import parallelize  # isort: skip
 
 # END LAB
 
-# BEGIN LAB: the planner's parameters on the fullest rank: pp's stage, tp's cut, then FSDP's shards
-# lesson 16, section 3; the module's Model.layer_parameters(), embedding_parameters(), head_parameters() and
-# stage_layers() give the pieces; Config.shard_group is the ranks FSDP shards over
+# BEGIN LAB: the parameters on the fullest pipeline stage, cut by tp (no FSDP yet)
+# lesson 16, section 3: stage_blocks() gives each stage's blocks (6 blocks on 4 stages: 1, 2, 2, 1), the first
+# stage adds the embeddings, the last the final norm and the head; Model.layer_parameters(), embedding_parameters()
+# and head_parameters() give the pieces
 from common.planner import device_parameters  # isort: skip
+
+# END LAB
+
+# BEGIN LAB: device_parameters, cut again by FSDP's shards under ZeRO-3 only
+# Config.shard_group is the ranks FSDP shards over; ZeRO 0-2 (Config's default zero=0) keep the parameters whole
 from common.planner import sharded_parameters  # isort: skip
 
 # END LAB

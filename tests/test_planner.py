@@ -13,9 +13,13 @@ import subprocess
 from argparse import Namespace
 
 import pytest
+import torch
 
 from common.experiments.activations import build_gpt, step_memory
+from common.gpt import GPT
 from common.launch import run_on_ranks
+from common.parallelize import pipeline_split
+from common.pipeline import transformer_stage_blocks
 from common.planner import (
     MESH_ORDER,
     MODELS,
@@ -36,6 +40,7 @@ from common.planner import (
     rank_configs,
     ring_seconds,
     sharded_parameters,
+    stage_blocks,
 )
 from tests.conftest import PYTHON, REPO, load_script
 
@@ -80,6 +85,20 @@ def test_the_enumeration_keeps_exactly_the_meshes_the_shapes_allow():
     assert degrees == {(2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (1, 2, 2, 1), (1, 2, 1, 2), (1, 1, 2, 2)}
     batches = {(c.dp, c.micro_batch, c.micro_batches) for c in configs}
     assert batches == {(2, 1, 1), (1, 1, 2), (1, 2, 1)}  # dp x micro-batch x micro-batches = 2, every way
+
+
+def test_the_planner_and_pipeline_split_lay_out_the_blocks_alike_llama_3s_end_stages_one_fewer():
+    assert transformer_stage_blocks(6, 4) == [1, 2, 2, 1]  # 6 + 2 = 4 x 2: the ends leave room for embedding, head
+    assert transformer_stage_blocks(126, 16) == [7] + [8] * 14 + [7]
+    assert transformer_stage_blocks(8, 4) == [2, 2, 2, 2] and transformer_stage_blocks(5, 4) == [2, 1, 1, 1]
+    model = gpt_model(256, 16, 16, 2, 6)
+    held = []
+    for stage in range(4):
+        torch.manual_seed(0)
+        part, first = pipeline_split(GPT(256, 16, 16, 2, 6, 0.0), stage, 4)
+        assert first == sum(stage_blocks(model, 4)[:stage]) and len(part.blocks) == stage_blocks(model, 4)[stage]
+        held.append(sum(p.numel() for p in part.parameters() if p is not None))
+    assert device_parameters(model, Config(pp=4)) == max(held)  # the fullest stage, as the ranks hold it
 
 
 def test_a_pipeline_stage_holds_whole_blocks_llama_3s_126_layers_on_16_stages_included():
@@ -257,27 +276,36 @@ def test_the_planner_check_measures_the_machine_then_sets_1d_fsdp_on_two_nodes_b
     assert row["measured_calls"] == row["predicted_calls"]["total"] == 14
 
 
-# The composition's GPT (benchmarks/planner_check.py's) and its meshes, with the calls torch's CommDebugMode counted
-# on the busiest rank of each (planner_check's table prints both; the FSDP part is also counted in a test below).
+# The composition's GPT (benchmarks/planner_check.py's).
 COMPOSITION_GPT = gpt_model(256, 64, 128, 4, 4)
-COUNTED_CALLS = {  # (dp, tp, pp, replicas, micro-batches): collective calls, pipeline sends left out
-    (4, 1, 1, 1, 1): 14,  # FSDP: 5 units; 5 + 4 all-gathers, 5 reduce-scatters
-    (4, 1, 1, 2, 1): 19,  # HSDP: the same, and 5 all-reduces across the replicas
-    (1, 4, 1, 1, 1): 59,  # TP: 4 blocks x (8 + 4 norm gradients) + 4 embedding + 5 head and loss + 2 final norm
-    (2, 2, 1, 1, 1): 73,  # both
-    (2, 1, 2, 1, 4): 14,  # a stage's 2 blocks gathered in 4 forwards and one backward: 10 + 1 root + 3 reduce-scatters
-    (1, 2, 2, 1, 4): 94,  # the last stage: 2 x 8 x 4 + 8 norm + (2 + 3) x 4 + 2
-}
+CHECK = REPO / "results" / "cpu-amd-epyc-2core" / "planner_check.json"
 
 
-def test_the_collective_calls_per_step_are_those_counted_in_the_composition():
-    for (dp, tp, pp, replicas, m), counted in COUNTED_CALLS.items():
+def test_the_collective_calls_per_step_are_those_the_planner_check_counted_with_comm_debug_mode():
+    # the committed run's counts (CommDebugMode on every rank, the busiest kept): collectives, pipeline sends left out
+    rows = json.loads(CHECK.read_text())["rows"]
+    assert len(rows) == len(checker.CONFIGS)
+    for row in rows:
+        pp, dp, replicas, tp, m = checker.CONFIGS[row["config"]]
         config = Config(dp=dp, tp=tp, pp=pp, micro_batch=16 // dp // m, micro_batches=m, zero=3, replicas=replicas)
         calls = collective_calls(COMPOSITION_GPT, config)
-        assert calls["total"] - calls["pipeline p2p"] == counted, config.describe()
-        assert calls["pipeline p2p"] == (2 * m if pp > 1 else 0)
+        assert calls["total"] - calls["pipeline p2p"] == row["measured_calls"], row["config"]
     assert collective_calls(COMPOSITION_GPT, Config(dp=4, micro_batch=4, zero=0))["data parallel"] == 5  # all-reduces
-    assert collective_calls(WIDE, Config(cp=4, micro_batch=1))["context parallel"] == 8 * 3 * 3
+    # the ring (common.context_parallel.ring_messages): per block and micro-batch cp - 1 steps forward, 2 cp - 1 back
+    assert collective_calls(WIDE, Config(cp=4, micro_batch=1))["context parallel"] == 8 * (3 + 7)
+    # a middle pipeline stage receives and sends in both directions: 4 calls per micro-batch, an end stage 2
+    assert collective_calls(WIDE, Config(pp=4, micro_batch=1, micro_batches=2))["pipeline p2p"] == 4 * 2
+    assert collective_calls(WIDE, Config(pp=2, micro_batch=1, micro_batches=2))["pipeline p2p"] == 2 * 2
+
+
+def test_without_a_pipeline_fsdp2_gathers_twice_and_reduce_scatters_in_every_micro_batch():
+    # gradient accumulation under FSDP2's defaults: no schedule turns resharding and gradient sync off
+    fsdp = [collective_calls(COMPOSITION_GPT, Config(dp=4, micro_batch=4 // m, micro_batches=m, zero=3))
+            for m in (1, 2)]  # fmt: skip
+    assert fsdp[0]["data parallel"] == 4 * 2 + 1 + 5  # 4 blocks gathered in forward and backward, the root once
+    assert fsdp[1]["data parallel"] == 2 * fsdp[0]["data parallel"]
+    piped = collective_calls(COMPOSITION_GPT, Config(dp=2, pp=2, micro_batch=2, micro_batches=4, zero=3))
+    assert piped["data parallel"] == 2 * (4 + 1) + 1 + 3  # the schedule: 4 forwards' gathers and one backward's
 
 
 def test_each_collective_call_adds_the_clusters_call_overhead_to_the_step():
@@ -351,3 +379,79 @@ def test_fsdp_under_the_pipeline_makes_the_calls_the_planner_counts():
         # each stage: 2 blocks gathered in 4 forwards and 1 backward, its root once; 3 units reduce-scattered once
         assert counted == {"all_gather_single": 2 * 5 + 1, "reduce_scatter_single": 3}
         assert sum(counted.values()) == predicted
+
+
+# The live counts: a small GPT on 4 processes (context 16, width 16, 2 heads, 4 blocks, 8 sequences per step).
+LIVE_GPT = gpt_model(256, 16, 16, 2, 4)
+LIVE_BATCH = 8
+
+
+def counted_calls(env, meshes: list[tuple]) -> list[dict]:
+    """For each mesh ``(pp, dp, cp, tp, micro-batches)`` of the composition (``common.parallelize``): one step to
+    warm up (the schedule infers its shapes), then one step counted on this rank: the collectives by torch's
+    ``CommDebugMode`` (FSDP's, DTensor's, the loss's), the point-to-point sends and receives by
+    ``common.collectives.count_messages`` (the pipeline's and the ring's). Without a pipeline the micro-batches run
+    as plain gradient accumulation, under FSDP2's defaults."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from common.collectives import count_messages
+    from common.parallelize import context_share, data_rank, forward_backward, make_mesh, make_schedule, parallelize
+
+    found = []
+    for pp, dp, cp, tp, m in meshes:
+        mesh = make_mesh("cpu", pp, dp, tp, env.world_size, cp=cp)
+        torch.manual_seed(0)
+        model, _ = parallelize(GPT(256, LIVE_GPT.seq, LIVE_GPT.hidden, LIVE_GPT.heads, LIVE_GPT.layers, 0.0), mesh)
+        schedule = make_schedule(model, mesh, m, env.device)
+        index, share = data_rank(mesh)[0], LIVE_BATCH // dp
+        rows = torch.randint(0, 256, (LIVE_BATCH, LIVE_GPT.seq + 1))[index * share : (index + 1) * share]
+        tokens, targets = (context_share(t, mesh) for t in (rows[:, :-1], rows[:, 1:]))
+
+        def step():
+            if schedule is not None:
+                return forward_backward(model, schedule, mesh, tokens, targets)
+            for part in zip(tokens.chunk(m), targets.chunk(m)):  # gradient accumulation: FSDP2 as it comes
+                forward_backward(model, None, mesh, *part)
+
+        step()
+        with CommDebugMode() as comm, count_messages() as sent:
+            step()
+        found.append({"collectives": comm.get_total_counts(), "sends": sent.sends, "receives": sent.receives})
+    return found
+
+
+def assert_counted_as_planned(ranks: list[list[dict]], meshes: list[tuple]) -> None:
+    """Each mesh's busiest rank counted what ``collective_calls`` predicts: the collectives (tensor and data
+    parallel), the ring's steps (a send and a receive each) and the pipeline's sends and receives."""
+    for number, (pp, dp, cp, tp, m) in enumerate(meshes):
+        config = Config(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=LIVE_BATCH // dp // m, micro_batches=m, zero=3)
+        planned = collective_calls(LIVE_GPT, config)
+        counted = [rank[number] for rank in ranks]
+        name = config.describe()
+        assert max(c["collectives"] for c in counted) == planned["tensor parallel"] + planned["data parallel"], name
+        messages = max(c["sends"] + c["receives"] for c in counted)
+        assert messages == 2 * planned["context parallel"] + planned["pipeline p2p"], name
+        if cp > 1:
+            assert planned["context parallel"] == LIVE_GPT.layers * (3 * cp - 2) * m > 0  # the ring's steps
+
+
+FAST_MESH = [(1, 1, 2, 2, 1)]  # cp 2 x tp 2: DTensor's collectives, FSDP over the cp ranks, the ring's steps
+SLOW_MESHES = [
+    (1, 4, 1, 1, 2),  # FSDP with 2 micro-batches of gradient accumulation: gathers twice, reduce-scatters twice
+    (2, 2, 1, 1, 2),  # pp 2 x dp 2: the schedule keeps FSDP's blocks gathered; each stage 2 transfers a micro-batch
+    (4, 1, 1, 1, 2),  # pp 4: a middle stage receives and sends both ways, 4 transfers a micro-batch
+    (1, 2, 2, 1, 2),  # dp 2 x cp 2 with accumulation: the ring in every micro-batch, FSDP over dp x cp
+]
+
+
+@pytest.mark.timeout(90)
+def test_the_planners_calls_are_what_torch_counts_on_a_context_parallel_mesh():
+    ranks = run_on_ranks(counted_calls, 4, FAST_MESH, timeout=80)
+    assert_counted_as_planned(ranks, FAST_MESH)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_planners_calls_are_what_torch_counts_under_pipelines_and_gradient_accumulation():
+    ranks = run_on_ranks(counted_calls, 4, SLOW_MESHES, timeout=170)
+    assert_counted_as_planned(ranks, SLOW_MESHES)
