@@ -14,21 +14,27 @@ one function here, in the order torchtitan's ``pipeline_llama`` and ``paralleliz
 model of its own, which the others then transform. Tensor parallelism comes before FSDP because FSDP shards
 whatever parameters it finds: after tensor parallelism they are DTensors on the ``tp`` dim, and FSDP cuts them
 again along the data dim (norms and row-wise biases are ``Replicate`` on ``tp``; HSDP adds ``Replicate`` on
-``dp_replicate``). The other way round, tensor parallelism would find FSDP's shards and not the weights its plan
-names. Context parallelism changes no parameter: it changes how each attention mixes its projections (ring
-attention) and which positions the first stage embeds. It comes after tensor parallelism, so that the ring carries
+``dp_replicate``). The other way round, tensor parallelism would find FSDP's DTensors on the data mesh, and
+``distribute_tensor`` refuses to move a DTensor to another mesh (a ``ValueError``). Context parallelism changes no
+parameter: it changes how each attention mixes its projections (ring attention, ``SelfAttention.attend``) and which
+positions the first stage embeds (``GPT.positions``: this GPT learns a position table, so a rank's tokens must look
+up the rows of the positions they really sit at). It comes after tensor parallelism, so that the ring carries
 only this rank's ``num_heads / tp`` heads, and before FSDP, which must know that the ``cp`` ranks share weights.
 
 FSDP shards over the ``dp_shard`` and ``cp`` dims flattened into one (``DeviceMesh._flatten``, as torchtitan does;
 torch 2.14 has no public name for it). The ``cp`` ranks hold the same weights, and each computed the gradient of
 its own share of the tokens: averaged over ``dp`` x ``cp`` ranks, those are the gradient of the global batch's mean
-loss, since every share is the same size. The ``cp`` ranks of one data rank train on the same sequences, each on
+loss, since every share is the same size and the ring's backward has brought each key's and value's gradient home
+to the rank whose keys they are. The ``cp`` ranks of one data rank train on the same sequences, each on
 its zig-zag positions (``context_share``): rank c of N holds chunks c and 2N - 1 - c of 2N, so that under the
 causal mask every rank does the same work (lesson 14).
 
-The ring is the course's own (``common.context_parallel.ring_attend``): torch's
-``torch.distributed.tensor.experimental.context_parallel`` replaces only CUDA's fused scaled-dot-product attention
-ops, so on CPU and gloo it would not cut anything. The ``cp`` dim sits between the data dims and ``tp``: it talks
+The ring is the course's own (``common.context_parallel.ring_attend``), swapped in through ``SelfAttention.attend``.
+torch's ``torch.distributed.tensor.experimental.context_parallel`` shards the buffers it is given along the sequence
+(on any device, head-tail: the same zig-zag) and swaps ``F.scaled_dot_product_attention`` for a ring written only
+for the CUDA SDPA kernels (flash, memory-efficient, cuDNN: torch 2.14's ``_context_parallel/_attention.py``). The
+course's attention is its own matmul and softmax (``common.tensor_parallel.attend``), not SDPA, so torch's ring
+would never reach it, on any device. The ``cp`` dim sits between the data dims and ``tp``: it talks
 in every block, as ``tp`` does, but only to its ring neighbours, and its messages can overlap the computation.
 
 The ``tp`` dim is innermost (neighbouring ranks): its collectives run in every block, so on a real cluster they
@@ -182,7 +188,8 @@ def apply_context_parallel(gpt: GPT, cp_mesh: DeviceMesh) -> GPT:
     ring attention over the ``cp`` ranks (``ring_attend``, zig-zag, causal), on the heads this rank holds (after
     tensor parallelism, ``num_heads / tp``), and the first stage embeds this rank's zig-zag positions of a
     ``gpt.context``-long sequence (``GPT.positions``). No parameter changes: feed it ``context_share``'s tokens.
-    torch's ``context_parallel`` would replace only CUDA's fused attention ops; this ring runs on CPU and gloo too.
+    torch's ``context_parallel`` swaps only ``F.scaled_dot_product_attention``, ringed on CUDA's SDPA kernels, which
+    this GPT never calls; this ring replaces the GPT's own ``attend`` and runs on CPU and gloo too.
     Returns ``gpt``."""
     group, rank, size = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
     for block in gpt.blocks:
@@ -208,8 +215,9 @@ def parallelize(gpt: GPT, mesh: DeviceMesh) -> tuple[GPT, int]:
     sharded over its data and context ranks, in torchtitan's order (common/parallelize.py's docstring says why);
     dims of size 1 are skipped. Returns the stage and the index of its first block."""
     # BEGIN LAB: apply the four parallelisms in torchtitan's order
-    # pipeline_split, apply_tensor_parallel, apply_context_parallel and apply_fsdp do one each; skip a dim of size 1
-    # (mesh["tp"].size()); a stage's index is its rank on the pp dim: mesh["pp"].get_local_rank()
+    # lesson 16, section 1; pipeline_split, apply_tensor_parallel, apply_context_parallel and apply_fsdp do one each;
+    # skip pp, tp and cp where their dim has one rank (mesh["tp"].size()), but FSDP always runs, over data_mesh(mesh);
+    # a stage's index is its rank on the pp dim; first_block comes from pipeline_split (0 without a pipeline)
     first_block = 0
     if mesh["pp"].size() > 1:  # 1. each stage is a model of its own, which the others then transform
         gpt, first_block = pipeline_split(gpt, mesh["pp"].get_local_rank(), mesh["pp"].size())

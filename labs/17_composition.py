@@ -5,7 +5,7 @@
 YOUR TASK: write the parts marked TODO below; the rest of this script and common/ are done for you.
 - in ``parallelize``: apply the four parallelisms in torchtitan's order
 - ``device_parameters``: the parameters on the fullest pipeline stage, cut by tp (no FSDP yet)
-- ``sharded_parameters``: device_parameters, cut again by FSDP's shards under ZeRO-3 only
+- ``sharded_parameters``: device_parameters, cut again over FSDP's shard group under ZeRO-3 only
 Check your work with
 
     LAB_TARGET=labs .venv/bin/python -m pytest tests/labs/test_17_composition.py
@@ -52,7 +52,7 @@ rank, and FSDP cuts dim 0 into dp pieces, the first ones a row larger where dp d
 
 labs/17_composition.py leaves to you the order in which the mesh is applied (common.parallelize.parallelize), and
 the planner's formula for the parameters on the fullest rank (common.planner.device_parameters: pp's stage, cut by
-tp; common.planner.sharded_parameters: then cut by FSDP's shards).
+tp; common.planner.sharded_parameters: then cut by FSDP's shard group, under ZeRO-3 only).
 """
 
 import time
@@ -87,8 +87,9 @@ def parallelize(gpt: GPT, mesh: DeviceMesh) -> tuple[GPT, int]:
     sharded over its data and context ranks, in torchtitan's order (common/parallelize.py's docstring says why);
     dims of size 1 are skipped. Returns the stage and the index of its first block."""
     # TODO: apply the four parallelisms in torchtitan's order
-    # pipeline_split, apply_tensor_parallel, apply_context_parallel and apply_fsdp do one each; skip a dim of size 1
-    # (mesh["tp"].size()); a stage's index is its rank on the pp dim: mesh["pp"].get_local_rank()
+    # lesson 16, section 1; pipeline_split, apply_tensor_parallel, apply_context_parallel and apply_fsdp do one each;
+    # skip pp, tp and cp where their dim has one rank (mesh["tp"].size()), but FSDP always runs, over data_mesh(mesh);
+    # a stage's index is its rank on the pp dim; first_block comes from pipeline_split (0 without a pipeline)
     raise NotImplementedError("TODO: apply the four parallelisms in torchtitan's order")
     return gpt, first_block
 
@@ -109,8 +110,9 @@ def sharded_parameters(model: Model, config: Config) -> float:
     """Parameters the fullest device holds between steps: ``device_parameters`` (pp's stage, cut by tp), then,
     under ZeRO-3 (FSDP), cut again over the shard group (``Config.shard_group``: the data ranks of one replica,
     times the context ranks). ZeRO 0-2 keep every parameter of the stage whole."""
-    # TODO: device_parameters, cut again by FSDP's shards under ZeRO-3 only
-    # Config.shard_group is the ranks FSDP shards over; ZeRO 0-2 (Config's default zero=0) keep the parameters whole
+    # TODO: device_parameters, cut again over FSDP's shard group under ZeRO-3 only
+    # lesson 16, section 3; Config.zero says whether FSDP shards (3) or not (0-2: the stage stays whole), and
+    # Config.shard_group is the ranks it shards over: the data ranks of one replica, times the context ranks
     raise NotImplementedError("TODO: sharded_parameters")
 
 

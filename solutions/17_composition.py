@@ -42,7 +42,7 @@ rank, and FSDP cuts dim 0 into dp pieces, the first ones a row larger where dp d
 
 labs/17_composition.py leaves to you the order in which the mesh is applied (common.parallelize.parallelize), and
 the planner's formula for the parameters on the fullest rank (common.planner.device_parameters: pp's stage, cut by
-tp; common.planner.sharded_parameters: then cut by FSDP's shards).
+tp; common.planner.sharded_parameters: then cut by FSDP's shard group, under ZeRO-3 only).
 """
 
 import time
@@ -80,8 +80,9 @@ from common.planner import device_parameters  # isort: skip
 
 # END LAB
 
-# BEGIN LAB: device_parameters, cut again by FSDP's shards under ZeRO-3 only
-# Config.shard_group is the ranks FSDP shards over; ZeRO 0-2 (Config's default zero=0) keep the parameters whole
+# BEGIN LAB: device_parameters, cut again over FSDP's shard group under ZeRO-3 only
+# lesson 16, section 3; Config.zero says whether FSDP shards (3) or not (0-2: the stage stays whole), and
+# Config.shard_group is the ranks it shards over: the data ranks of one replica, times the context ranks
 from common.planner import sharded_parameters  # isort: skip
 
 # END LAB

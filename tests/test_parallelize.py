@@ -16,8 +16,9 @@ a few steps the losses per step and the final parameters, gathered whole, must a
 Each ``run_on_ranks`` runs the control and the meshes one after the other in one process group (start-up is most
 of the time on 2 cores). ``make test`` runs two 4-process cases: the lab's (tests/labs/test_17_composition.py: 2
 stages x 2 tensor ranks in float64) and 2 context x 2 tensor ranks in float64, with the ring's messages counted
-(10 s). Here every mesh of 4 processes in float64 and in float32, and 8 processes (2 x 2 x 2, HSDP's 2 x 2 with 2
-tensor ranks, and three meshes with 2 context ranks) are slow drills: 20-45 s each on 2 shared cores.
+(10 s); one process checks that the other order, FSDP before tensor parallelism, is refused (6 s). Here every
+mesh of 4 processes in float64 and in float32, and 8 processes (2 x 2 x 2, HSDP's 2 x 2 with 2 tensor ranks, and
+three meshes with 2 context ranks) are slow drills: 20-45 s each on 2 shared cores.
 """
 
 from dataclasses import asdict
@@ -30,7 +31,7 @@ from common.context_parallel import ring_messages
 from common.distributed import ConfigurationError, DistEnv
 from common.gpt import GPT
 from common.launch import load_script, run_on_ranks
-from common.parallelize import check_degrees, differences, pipeline_split
+from common.parallelize import apply_fsdp, apply_tensor_parallel, check_degrees, differences, pipeline_split
 from tests.conftest import REPO
 
 SOLUTION = REPO / "solutions" / "17_composition.py"
@@ -133,6 +134,29 @@ def test_context_parallelism_runs_the_ring_over_the_cp_ranks_and_trains_the_same
         sent = rank["mesh messages"]
         assert (sent["sends"], sent["receives"], sent["grouped"]) == (sends, sends, 2 * sends)
         assert sent["bytes_sent"] == sends * ring["message bytes"] == sent["bytes_received"]
+
+
+def fsdp_then_tensor_parallel(env) -> str:
+    """The wrong order on one process: FSDP on a 1-rank data dim, then tensor parallelism on a 1-rank tp dim.
+    Returns what tensor parallelism raised, or "" when it raised nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    gpt = GPT(context=16, d_model=16, num_heads=4, num_layers=1, dropout=0.0)
+    apply_fsdp(gpt, mesh["dp"])
+    try:
+        apply_tensor_parallel(gpt, mesh["tp"])
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+# Lesson 16, section 1: tensor parallelism after FSDP finds DTensors on the data mesh, and torch refuses them.
+@pytest.mark.timeout(60)
+def test_fsdp_before_tensor_parallelism_is_refused_by_distribute_tensor():
+    (message,) = run_on_ranks(fsdp_then_tensor_parallel, 1, timeout=50)
+    assert "Cannot distribute a DTensor with device mesh" in message, message
+    assert "(dp=1)" in message and "(tp=1)" in message, message
 
 
 def test_the_stages_of_a_pipeline_split_chained_compute_the_whole_gpt():

@@ -47,6 +47,15 @@ def save(fig, path: Path) -> None:
     plt.close(fig)
 
 
+def save_with_rank_legend(fig, path: Path, labels: list[str], title: str) -> None:
+    """A legend under the panels, one rank's colour per label (rank 0 first), the figure's title, then ``save``."""
+    handles = [plt.Rectangle((0, 0), 1, 1, color=RANK_COLOURS[rank]) for rank in range(len(labels))]
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    save(fig, path)
+
+
 def tint(colour: str, amount: float = 0.6) -> tuple:
     """``colour`` mixed with white: ``amount`` 0 keeps it, 1 gives white."""
     return tuple(c + (1 - c) * amount for c in to_rgb(colour))

@@ -128,11 +128,10 @@ def causal_layouts(path: Path) -> None:
         work = [sum(len(q) * len(k) for s in range(world_size) for q in pieces[r] for k in pieces[s]
                     if visible(q, k, True) != "none") for r in range(world_size)]  # fmt: skip
         panel.set_title(f"{layout}: scores computed per rank {work}", fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=RANK_COLOURS[rank]) for rank in range(world_size)]
-    fig.legend(handles, [f"rank {r}'s queries" for r in range(world_size)], loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle("A causal mask on 4 ranks: boxes are the query-key blocks a rank computes", fontsize=11)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    save(fig, path)
+    labels = [f"rank {r}'s queries" for r in range(world_size)]
+    draw.save_with_rank_legend(
+        fig, path, labels, "A causal mask on 4 ranks: boxes are the query-key blocks a rank computes"
+    )
 
 
 def ring_or_all_gather(path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Lesson 16's pictures: the mesh and the order in which the functions apply it; and four measured plots: the N-D
+"""Lesson 16's pictures: the mesh and the order in which the functions apply it; the zig-zag positions of context
+parallelism on 2 ranks; and four measured plots: the N-D
 runs' losses against the 1-D FSDP control (results/), the planner's predicted against measured step time and memory,
 the memory by part (results/.../planner_check.json), and the Llama 3 405B plan against the published degrees."""
 
@@ -6,6 +7,9 @@ import json
 import re
 from pathlib import Path
 
+from common.context_parallel import shard_pieces
+
+from . import draw
 from .draw import COMMUNICATE, COMPUTE, IDLE, MEMORY, RANK_COLOURS, RESULTS, arrow, box, canvas, plt, save, tint
 
 RUNS = {  # solution 17, 4 processes, 10 steps each: the control and three N-D meshes (scripts/provenance.py record)
@@ -35,7 +39,10 @@ def mesh_order(path: Path) -> None:
                 rank = stage * 8 + dp * 4 + cp * 2 + tp
                 label, colour = f"rank {rank}\ndp {dp} cp {cp} tp {tp}", RANK_COLOURS[rank % len(RANK_COLOURS)]
                 box(axes, x0 + tp * 2.3, 8.6 - row * 1.15 - dp * 0.25, 2.1, 0.95, label, tint(colour, 0.45), 7.5)
-    axes.text(5.4, 3.2, "tp innermost: neighbouring ranks, one node's fast links\n"
+    # Rank 0's FSDP group: the ranks of its stage and its tp index, over dp x cp flattened into one dim
+    axes.add_patch(plt.Rectangle((0.25, 4.85), 2.4, 4.85, fill=False, ec="black", ls="--", lw=1.5))
+    axes.text(1.45, 4.55, "rank 0's FSDP group:\nranks 0, 2, 4, 6 (dp x cp)", ha="center", va="top", fontsize=8)
+    axes.text(5.4, 2.6, "tp innermost: neighbouring ranks, one node's fast links\n"
               "cp next: a ring that talks in every block\n"
               "the outer dims (dp, pp) cross nodes once they span more than one",
               ha="center", fontsize=8.5)  # fmt: skip
@@ -58,6 +65,37 @@ def mesh_order(path: Path) -> None:
     box(axes, 11.4, 0.3, 4.4, 1.1, "then the optimizer:\nit sees the final shards", IDLE, 8.5)
     arrow(axes, (13.6, 2.3), (13.6, 1.4))
     save(fig, path)
+
+
+def zigzag_positions(path: Path) -> None:
+    """A causal mask of 8 positions on 2 cp ranks, each query row coloured by the rank that holds it: contiguous,
+    rank 1 computes most of the scores; zig-zag (chunks c and 2N - 1 - c of 2N), each rank the same number."""
+    seq, world_size = 8, 2
+    fig, panels = plt.subplots(1, 2, figsize=(9, 4.6))
+    for panel, layout in zip(panels, ("contiguous", "zigzag")):
+        owners = {row: rank for rank in range(world_size) for piece in shard_pieces(seq, rank, world_size, layout)
+                  for row in piece}  # fmt: skip
+        scores = [0] * world_size
+        for row in range(seq):
+            for column in range(row + 1):  # causal: query ``row`` sees keys 0..row
+                panel.add_patch(plt.Rectangle((column, row), 1, 1, fc=RANK_COLOURS[owners[row]], ec="white"))
+                scores[owners[row]] += 1
+        panel.set_xlim(0, seq)
+        panel.set_ylim(seq, 0)
+        panel.set_aspect("equal")
+        panel.set_xticks([p + 0.5 for p in range(seq)], range(seq))
+        panel.set_yticks([p + 0.5 for p in range(seq)], range(seq))
+        panel.set(xlabel="key position", ylabel="query position (its row of the position table)")
+        held = ", ".join(
+            f"rank {rank}: "
+            + " and ".join(f"{p.start}-{p.stop - 1}" for p in shard_pieces(seq, rank, world_size, layout))
+            for rank in range(world_size)
+        )
+        panel.set_title(f"{layout}: {held}\nscores per rank {scores}", fontsize=9)
+    labels = [f"cp rank {r}'s queries" for r in range(world_size)]
+    draw.save_with_rank_legend(
+        fig, path, labels, "8 positions on 2 cp ranks: zig-zag gives each rank an early and a late chunk"
+    )
 
 
 def losses_of(result: Path) -> list[float]:
@@ -170,6 +208,7 @@ def llama_plan(path: Path) -> None:
 
 FIGURES = {
     "16_mesh_order": (mesh_order, None),
+    "16_zigzag_positions": (zigzag_positions, None),
     "16_losses_against_control": (losses, RESULTS / "16_composition_control.txt"),
     "16_planner_check": (planner_check, CHECK),
     "16_memory_parts": (memory_parts, CHECK),
