@@ -310,7 +310,7 @@ def ring_attention(q, k, v, layout: str = "contiguous", causal: bool = False, gr
     return RingAttention.apply(q, k, v, layout, causal, group)
 
 
-def ring_attend(
+def context_parallel_attend(
     queries,
     keys,
     values,
@@ -320,19 +320,23 @@ def ring_attend(
     *,
     group=None,
     layout: str = "zigzag",
+    method: str = "ring",
 ) -> torch.Tensor:
-    """``common.tensor_parallel.attend`` computed by ``RingAttention`` over ``group``: the ``(batch, seq / N, heads
-    * head_dim)`` projections of this rank's positions (cut by ``layout``) in, their attention out, in the same
-    layout. ``heads`` is whatever the projections hold: under tensor parallelism, this rank's ``num_heads / tp``.
-    What ``common.parallelize.apply_context_parallel`` puts in each ``SelfAttention``. No attention dropout."""
+    """``common.tensor_parallel.attend`` computed over ``group`` by ``method`` (``"ring"``: ``RingAttention``;
+    ``"all-gather"``: ``all_gather_attention``): the ``(batch, seq / N, heads * head_dim)`` projections of this
+    rank's positions (cut by ``layout``) in, their attention out, in the same layout. ``heads`` is whatever the
+    projections hold: under tensor parallelism, this rank's ``num_heads / tp``. ``ContextParallelSelfAttention``
+    calls it, and ``common.parallelize.apply_context_parallel`` puts it in each ``SelfAttention``. No attention
+    dropout."""
     if dropout > 0:
-        raise ValueError("ring attention has no attention dropout: build the GPT with dropout=0")
+        raise ValueError("context-parallel attention has no attention dropout: build the GPT with dropout=0")
     batch, local, width = queries.shape
 
     def heads(T):  # (batch, local, heads * head_dim) -> (batch, heads, local, head_dim)
         return T.view(batch, local, width // head_dim, head_dim).transpose(1, 2)
 
-    mixed = RingAttention.apply(heads(queries), heads(keys), heads(values), layout, causal, group)
+    attention = RingAttention.apply if method == "ring" else all_gather_attention
+    mixed = attention(heads(queries), heads(keys), heads(values), layout, causal, group)
     return mixed.transpose(1, 2).reshape(batch, local, width)
 
 
@@ -418,16 +422,12 @@ class ContextParallelSelfAttention(nn.Module):
         self.dropout, self.layout, self.method, self.group = attention.dropout, layout, method, group
 
     def forward(self, X):
-        if self.training and self.dropout > 0:
-            raise ValueError("context-parallel attention has no attention dropout: build the GPT with dropout=0")
-        batch, local, width = X.shape
-
-        def heads(T):  # (batch, local, heads * head_dim) -> (batch, heads, local, head_dim)
-            return T.view(batch, local, self.num_heads, self.head_dim).transpose(1, 2)
-
-        attend = RingAttention.apply if self.method == "ring" else all_gather_attention
-        mixed = attend(heads(self.q(X)), heads(self.k(X)), heads(self.v(X)), self.layout, self.causal, self.group)
-        return self.out(mixed.transpose(1, 2).reshape(batch, local, width))
+        dropout = self.dropout if self.training else 0.0
+        mixed = context_parallel_attend(
+            self.q(X), self.k(X), self.v(X), self.head_dim, self.causal, dropout,
+            group=self.group, layout=self.layout, method=self.method,
+        )  # fmt: skip
+        return self.out(mixed)
 
 
 class ContextParallelGPT(nn.Module):

@@ -60,8 +60,9 @@ class GPT(nn.Module):
     def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """``tokens`` (batch, length) at positions ``start`` to ``start + length`` (or at ``self.positions``, when
         set): their embeddings plus the positions', after dropout."""
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        if self.positions is not None:
+        if self.positions is None:
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        else:
             positions = self.positions.to(tokens.device)
         return maybe_dropout(self.token(tokens) + self.position(positions), self.dropout, self.training)
 

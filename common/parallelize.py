@@ -29,7 +29,8 @@ to the rank whose keys they are. The ``cp`` ranks of one data rank train on the 
 its zig-zag positions (``context_share``): rank c of N holds chunks c and 2N - 1 - c of 2N, so that under the
 causal mask every rank does the same work (lesson 14).
 
-The ring is the course's own (``common.context_parallel.ring_attend``), swapped in through ``SelfAttention.attend``.
+The ring is the course's own (``common.context_parallel.context_parallel_attend``), swapped in through
+``SelfAttention.attend``.
 torch's ``torch.distributed.tensor.experimental.context_parallel`` shards the buffers it is given along the sequence
 (on any device, head-tail: the same zig-zag) and swaps ``F.scaled_dot_product_attention`` for a ring written only
 for the CUDA SDPA kernels (flash, memory-efficient, cuDNN: torch 2.14's ``_context_parallel/_attention.py``). The
@@ -60,7 +61,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from common.context_parallel import ring_attend, shard_positions
+from common.context_parallel import context_parallel_attend, shard_positions
 from common.distributed import ConfigurationError
 from common.gpt import GPT, next_token_loss
 from common.pipeline import transformer_stage_blocks
@@ -185,15 +186,15 @@ def apply_tensor_parallel(gpt: GPT, tp_mesh: DeviceMesh) -> GPT:
 
 def apply_context_parallel(gpt: GPT, cp_mesh: DeviceMesh) -> GPT:
     """Lesson 14's context parallelism of ``gpt`` on the 1-D ``cp_mesh``: every attention mixes its projections by
-    ring attention over the ``cp`` ranks (``ring_attend``, zig-zag, causal), on the heads this rank holds (after
-    tensor parallelism, ``num_heads / tp``), and the first stage embeds this rank's zig-zag positions of a
+    ring attention over the ``cp`` ranks (``context_parallel_attend``, zig-zag, causal), on the heads this rank
+    holds (after tensor parallelism, ``num_heads / tp``), and the first stage embeds this rank's zig-zag positions of a
     ``gpt.context``-long sequence (``GPT.positions``). No parameter changes: feed it ``context_share``'s tokens.
     torch's ``context_parallel`` swaps only ``F.scaled_dot_product_attention``, ringed on CUDA's SDPA kernels, which
     this GPT never calls; this ring replaces the GPT's own ``attend`` and runs on CPU and gloo too.
     Returns ``gpt``."""
     group, rank, size = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
     for block in gpt.blocks:
-        block.attention.attend = partial(ring_attend, group=group, layout=LAYOUT)
+        block.attention.attend = partial(context_parallel_attend, group=group, layout=LAYOUT)
     device = next(gpt.parameters()).device
     gpt.positions = shard_positions(gpt.context, rank, size, LAYOUT).to(device)
     return gpt

@@ -251,7 +251,7 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(d_model, d_model)
         self.causal, self.dropout = causal, dropout
         # How the projections are mixed: ``attend``'s signature. Context parallelism (lesson 16) swaps in ring
-        # attention over its ranks (``common.context_parallel.ring_attend``); the module itself stays the same.
+        # attention over its ranks (``common.context_parallel.context_parallel_attend``); the module stays the same.
         self.attend = attend
 
     def forward(self, X):

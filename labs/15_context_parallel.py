@@ -50,9 +50,9 @@ from common.gpt import GPT
 from common.text import load_text
 # What the functions you write below use:
 from common.context_parallel import (
-    all_gather_attention,
     attend_pieces,
     attend_pieces_backward,
+    context_parallel_attend,
     global_rank,
     safe,
     shard_positions,
@@ -189,16 +189,12 @@ class ContextParallelSelfAttention(nn.Module):
         self.dropout, self.layout, self.method, self.group = attention.dropout, layout, method, group
 
     def forward(self, X):
-        if self.training and self.dropout > 0:
-            raise ValueError("context-parallel attention has no attention dropout: build the GPT with dropout=0")
-        batch, local, width = X.shape
-
-        def heads(T):  # (batch, local, heads * head_dim) -> (batch, heads, local, head_dim)
-            return T.view(batch, local, self.num_heads, self.head_dim).transpose(1, 2)
-
-        attend = RingAttention.apply if self.method == "ring" else all_gather_attention
-        mixed = attend(heads(self.q(X)), heads(self.k(X)), heads(self.v(X)), self.layout, self.causal, self.group)
-        return self.out(mixed.transpose(1, 2).reshape(batch, local, width))
+        dropout = self.dropout if self.training else 0.0
+        mixed = context_parallel_attend(
+            self.q(X), self.k(X), self.v(X), self.head_dim, self.causal, dropout,
+            group=self.group, layout=self.layout, method=self.method,
+        )  # fmt: skip
+        return self.out(mixed)
 
 
 class ContextParallelGPT(nn.Module):
